@@ -1,0 +1,105 @@
+"""Problem files: one JSON object per line, validated row by row.
+
+Schema (one line of a .jsonl file):
+
+    {"id": "builtin-add2-00017", "problem": "What is 38 + 45?", "answer": "83",
+     "solution": "38 + 45 = 83.", "source": "builtin/add2"}
+
+`id`, `problem`, `answer` are required non-empty strings, `id` unique within a file;
+`solution` and `source` are optional strings. A bad row stops loading with
+`DataError("path:line: why")`; `skip_bad=True` skips bad rows instead and reports how many.
+
+Names accepted wherever a data file is asked for:
+    builtin-train, builtin-dev, builtin-test   -> data/builtin/{split}.jsonl (shipped)
+    aime24, math500, ...                       -> data/public/{name}.jsonl (made by data/prep.py)
+    anything else                              -> a path to a .jsonl file
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+REQUIRED = ("id", "problem", "answer")
+OPTIONAL = ("solution", "source")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    problem: str
+    answer: str
+    solution: str | None = None
+    source: str | None = None
+
+
+def resolve_data(name_or_path):
+    """Map a short name (see module docstring) to a file path; paths pass through."""
+    if name_or_path.startswith("builtin-"):
+        return os.path.join(DATA_DIR, "builtin", name_or_path[len("builtin-"):] + ".jsonl")
+    if os.sep not in name_or_path and not name_or_path.endswith(".jsonl"):
+        return os.path.join(DATA_DIR, "public", name_or_path + ".jsonl")
+    return name_or_path
+
+
+def parse_row(line):
+    """One JSONL line -> Problem, or ValueError saying what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    for key in REQUIRED:
+        if key not in row:
+            raise ValueError(f"missing field {key!r}")
+        if not isinstance(row[key], str):
+            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}")
+        if not row[key].strip():
+            raise ValueError(f"field {key!r} is empty")
+    for key in OPTIONAL:
+        if row.get(key) is not None and not isinstance(row[key], str):
+            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}")
+    return Problem(**{k: row.get(k) for k in REQUIRED + OPTIONAL})
+
+
+def load_jsonl(name_or_path, skip_bad=False):
+    """Load and validate every row. Returns (problems, number_of_skipped_rows)."""
+    path = resolve_data(name_or_path)
+    if not os.path.isfile(path):
+        hint = " (run `python data/prep.py` online to make it)" if "public" in path else ""
+        raise DataError(f"{path}: no such data file{hint}")
+    problems, seen, skipped = [], set(), 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                p = parse_row(line)
+                if p.id in seen:
+                    raise ValueError(f"duplicate id {p.id!r}")
+            except ValueError as e:
+                if not skip_bad:
+                    raise DataError(f"{path}:{lineno}: {e}") from None
+                skipped += 1
+                continue
+            seen.add(p.id)
+            problems.append(p)
+    if not problems:
+        raise DataError(f"{path}: no valid rows")
+    return problems, skipped
+
+
+def write_jsonl(path, problems):
+    """Write rows atomically (temp file + rename): a killed writer leaves the old file intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for p in problems:
+            row = {k: getattr(p, k) for k in REQUIRED + OPTIONAL if getattr(p, k) is not None}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,178 @@
+"""Evaluate a model on one or more benchmarks: greedy accuracy, avg@k and unbiased pass@k.
+
+    python eval.py                                         # default model, built-in test split
+    python eval.py --model=runs/x/final --data=aime24,math500 --out=out/eval.json
+    python eval.py --data=builtin-test --k=16 --temperature=0.6
+
+Protocol (SPEC §7, the paper's): a benchmark with fewer than 100 problems is scored by avg@16 at
+temperature 0.6, a larger one greedily; `--k` overrides (0 = greedy only). Greedy accuracy is
+always reported. pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over the k samples
+(Chen et al. 2021). Rows are also broken down by their `source` (the built-in task's levels).
+
+Writes `--out` (JSON: the numbers per benchmark and per source) and, beside it, a per-sample
+JSONL (prompt, responses, extracted answers, rewards). A bad data file exits non-zero with a
+`file:line: why` message.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+from tqdm import tqdm
+
+from data import DataError, load_jsonl
+from prompts import build_messages, uses_fewshot
+from verify import check
+
+SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (SPEC §7)
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), computed as a
+    product to stay exact for large n (no huge binomials)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    prob_all_fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_fail *= 1.0 - k / i
+    return 1.0 - prob_all_fail
+
+
+def default_k(num_problems):
+    return 16 if num_problems < SMALL_BENCHMARK else 0
+
+
+def pass_ks(k):
+    """The j of the pass@j columns reported for k samples: 1, 2, 4, ..., k."""
+    ks, j = [], 1
+    while j < k:
+        ks.append(j)
+        j *= 2
+    return ks + [k] if k else []
+
+
+def score_groups(problems, messages, groups):
+    """Per problem: responses, verdicts -> one record each (the per-sample JSONL rows)."""
+    records = []
+    for p, m, group in zip(problems, messages, groups):
+        verdicts = [check(s.text, p.answer) for s in group]
+        records.append({
+            "id": p.id, "source": p.source, "answer": p.answer, "prompt": m[-1]["content"],
+            "fewshot_turns": (len(m) - 1) // 2,
+            "responses": [s.text for s in group],
+            "extracted": [v.extracted for v in verdicts],
+            "reasons": [v.reason for v in verdicts],
+            "rewards": [v.reward for v in verdicts],
+            "lengths": [len(s.response_ids) for s in group],
+            "truncated": [s.finish_reason == "length" for s in group],
+        })
+    return records
+
+
+def summarize(greedy, sampled, k):
+    """Aggregate per-problem records into the numbers of one table row."""
+    n = len(greedy)
+    row = {"problems": n, "greedy": sum(r["rewards"][0] for r in greedy) / n,
+           "greedy_boxed": sum(r["extracted"][0] is not None for r in greedy) / n,
+           "greedy_truncated": sum(r["truncated"][0] for r in greedy) / n}
+    if k:
+        row[f"avg@{k}"] = sum(sum(r["rewards"]) / k for r in sampled) / n
+        for j in pass_ks(k):
+            row[f"pass@{j}"] = sum(pass_at_k(k, int(sum(r["rewards"])), j) for r in sampled) / n
+        row["sampled_mean_length"] = sum(sum(r["lengths"]) / k for r in sampled) / n
+    return row
+
+
+def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True):
+    """Greedy answers, plus k samples at `temperature` when k > 0.
+    Returns (overall row, {source: row}, records); records hold greedy then sampled responses."""
+    messages = [build_messages(p.problem, fewshot=uses_fewshot(p.source)) for p in problems]
+    greedy = score_groups(problems, messages, engine.generate(
+        messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
+    sampled = score_groups(problems, messages, engine.generate(
+        messages, n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+        progress=progress)) if k else [None] * len(problems)
+    by_source = defaultdict(lambda: ([], []))
+    for g, s in zip(greedy, sampled):
+        by_source[g["source"] or "-"][0].append(g)
+        by_source[g["source"] or "-"][1].append(s)
+    rows = {src: summarize(g, s, k) for src, (g, s) in by_source.items()}  # data order
+    records = [{**g, "sampled": s} for g, s in zip(greedy, sampled)]
+    return summarize(greedy, sampled, k), rows, records
+
+
+def format_table(rows):
+    """Rows {name: {column: value}} -> an aligned text table (columns from the first row)."""
+    columns = list(next(iter(rows.values())).keys())
+    header = ["benchmark"] + columns
+    lines = [[name] + [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
+             for name, row in rows.items()]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*line) for line in lines])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="HF id, local folder, or the shipped default")
+    ap.add_argument("--data", default="builtin-test", help="comma-separated names or .jsonl paths")
+    ap.add_argument("--k", type=int, default=None, help="samples per problem (default: SPEC §7 protocol)")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--max_tokens", type=int, default=256)
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip_bad", action="store_true", help="skip malformed data rows (counted)")
+    ap.add_argument("--out", default=None, help="results JSON (default out/eval-<time>.json)")
+    args = ap.parse_args(argv)
+
+    try:  # validate every data file before spending minutes on an engine
+        benchmarks = {}
+        for name in args.data.split(","):
+            problems, skipped = load_jsonl(name, skip_bad=args.skip_bad)
+            if skipped:
+                print(f"{name}: skipped {skipped} bad rows", file=sys.stderr)
+            benchmarks[name] = problems
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from model import resolve_model
+    from rollout import make_rollout
+
+    model_path = resolve_model(args.model)
+    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed)
+    out = args.out or os.path.join("out", f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    results, all_records, table = {}, {}, {}
+    for name, problems in benchmarks.items():
+        k = default_k(len(problems)) if args.k is None else args.k
+        print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else ""))
+        overall, by_source, records = evaluate(engine, problems, k, args.temperature, args.top_p,
+                                               args.max_tokens)
+        results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
+        all_records[name] = records
+        table[name] = overall
+        if len(by_source) > 1:
+            table.update({f"  {src}": row for src, row in by_source.items()})
+
+    print(format_table(table))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"model": args.model, "config": vars(args), "results": results}, f, indent=2)
+    samples_path = os.path.splitext(out)[0] + ".samples.jsonl"
+    with open(samples_path, "w") as f:
+        for name, records in all_records.items():
+            for r in records:
+                f.write(json.dumps({"benchmark": name, **r}) + "\n")
+    print(f"wrote {out} and {samples_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""How a problem becomes chat messages, and how a P²O template is applied to it.
+
+    build_messages("What is 7 + 4 × 3?", template="Multiply first.", fewshot=False)
+    -> [{"role": "user", "content":
+         "Multiply first.\\n\\nWhat is 7 + 4 × 3?\\nPut the final answer in \\\\boxed{}."}]
+
+The answer-format instruction belongs to the original user text, never to the template, so an
+evolved template cannot break answer extraction (SPEC §2). With `fewshot=True` three worked
+one-step examples come first as earlier chat turns: the 135M default model almost never writes
+\\boxed{} otherwise (SPEC §9). They are used for the built-in task only (`uses_fewshot`).
+"""
+
+FORMAT_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+FEWSHOT = [  # (question, worked answer); no built-in problem repeats these (data/builtin.py)
+    ("What is 2 + 3?", "2 + 3 = 5. The answer is \\boxed{5}."),
+    ("What is 4 × 2?", "4 × 2 = 8. The answer is \\boxed{8}."),
+    ("What is 6 + 1?", "6 + 1 = 7. The answer is \\boxed{7}."),
+]
+
+
+def user_text(problem):
+    """The original user text x: the problem followed by the answer-format instruction."""
+    return problem.strip() + "\n" + FORMAT_INSTRUCTION
+
+
+def apply_template(text, template):
+    """T(x, z): the template, a blank line, then the original user text. '' means no template."""
+    return text if not template.strip() else template.strip() + "\n\n" + text
+
+
+def build_messages(problem, template="", fewshot=False):
+    """Chat messages for one problem, optionally templated and with the few-shot turns first."""
+    messages = []
+    if fewshot:
+        for question, answer in FEWSHOT:
+            messages.append({"role": "user", "content": user_text(question)})
+            messages.append({"role": "assistant", "content": answer})
+    messages.append({"role": "user", "content": apply_template(user_text(problem), template)})
+    return messages
+
+
+def uses_fewshot(source):
+    """Few-shot turns are part of the built-in task's prompt format, not of other data."""
+    return bool(source) and source.startswith("builtin")

@@ -1,0 +1,225 @@
+"""Generation: one interface, two backends.
+
+    engine = make_rollout("vllm", resolve_model())          # or "hf" (transformers .generate)
+    groups = engine.generate([messages, "raw prompt"], n=4, temperature=0.6, max_tokens=128)
+    groups[0][2]  -> Sample(prompt_ids=[1, 9690, ...], response_ids=[17, 1232, ..., 2],
+                            text="2 + 3 = 5 ...", finish_reason="stop", logprobs=[-0.41, ...])
+    engine.push_weights(policy.state_dict())               # verified; raises on any mismatch
+
+A prompt is either chat messages (a list of {"role", "content"} dicts, rendered with the model's
+chat template and a generation prompt) or a raw string. Both backends tokenise prompts with the
+same `encode_prompt`, so their prompt ids are identical. `response_ids` include the EOS token that
+ended a finished answer ("stop"); an answer cut by `max_tokens` ends with finish_reason "length".
+
+`logprobs` (when asked) are the log-probabilities of the sampled tokens under the distribution
+that was actually sampled from, i.e. after temperature and top-p (vLLM "processed_logprobs",
+HF generate's processed scores); for greedy decoding that is the raw model distribution.
+
+The vLLM engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `push_weights`
+can hand tensors to its worker without serialising them. Pushes are verified by comparing float64
+checksums (count, sum, sum of squares, all order-independent) of the engine's parameters with
+those of the pushed tensors cast to the engine dtype: a push that loaded nothing, or the wrong
+values, raises WeightPushError instead of letting generation continue on stale weights.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop token) | "length" (hit max_tokens)
+    logprobs: list[float] | None = None  # one per response token, when asked
+
+
+class WeightPushError(RuntimeError):
+    """The inference engine does not hold the weights that were pushed."""
+
+
+def encode_prompt(tokenizer, prompt):
+    """Chat messages -> chat-template ids with the generation prompt; a string -> its ids."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt).input_ids
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def checksum(tensors, dtype):
+    """(count, sum, sum of squares) of tensors cast to `dtype`, accumulated in float64; all
+    three are independent of element order, so a fused or repacked copy has the same values."""
+    count, total, squares = 0, 0.0, 0.0
+    for t in tensors:
+        t = t.detach().to(dtype).double()
+        count += t.numel()
+        total += t.sum().item()
+        squares += t.square().sum().item()
+    return count, total, squares
+
+
+def _engine_checksums(worker):
+    """Runs inside the vLLM worker (collective_rpc): per-parameter checksums of the live model.
+    Parameters emptied by a backend that repacked them (vLLM-CPU's oneDNN linears) are skipped."""
+    model = worker.model_runner.get_model()
+    params = {n: p for n, p in model.named_parameters() if p.numel() > 0}
+    dtype = next(iter(params.values())).dtype
+    sums = {n: checksum([p], dtype) for n, p in params.items()}
+    return sums, str(dtype), dict(getattr(model, "packed_modules_mapping", {}))
+
+
+def engine_name(hf_name, packed_modules_mapping):
+    """HF checkpoint name -> the vLLM parameter it is loaded into (q/k/v -> qkv_proj, ...)."""
+    for fused, parts in packed_modules_mapping.items():
+        for part in parts:
+            if f".{part}." in hf_name:
+                return hf_name.replace(f".{part}.", f".{fused}.")
+    return hf_name
+
+
+def _sampled_logprob(entry, token_id):
+    return entry[token_id].logprob
+
+
+class VLLMRollout:
+    """In-process vLLM engine. CPU defaults (KV cache size, no reserved core) come from
+    `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead."""
+
+    def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0,
+                 kv_cache_gib=1, gpu_memory_utilization=0.5, enforce_eager=True):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kwargs = {} if current_platform.is_cpu() else {"gpu_memory_utilization": gpu_memory_utilization}
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
+                                            "tie_word_embeddings", False))
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
+                 logprobs=False, ignore_eos=False, progress=False):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        params = [SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            seed=None if seed is None else seed + i, logprobs=0 if logprobs else None,
+            ignore_eos=ignore_eos) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
+                                    use_tqdm=progress)
+        groups = []
+        for prompt_ids, out in zip(ids, outputs):
+            group = []
+            for c in out.outputs:
+                lp = None
+                if logprobs:
+                    lp = [_sampled_logprob(e, t) for e, t in zip(c.logprobs, c.token_ids)]
+                group.append(Sample(list(prompt_ids), list(c.token_ids), c.text,
+                                    "length" if c.finish_reason == "length" else "stop", lp))
+            groups.append(group)
+        return groups
+
+    def push_weights(self, state_dict):
+        """Load HF-named tensors into the running engine in place, then verify the load: every
+        readable engine parameter must equal (as float64 checksums) the tensors pushed into it,
+        cast to the engine dtype. On GPU that is every parameter; on vLLM-CPU the linear layers
+        are repacked into opaque oneDNN buffers, leaving embeddings and norms to check."""
+        items = [(k, v.detach()) for k, v in state_dict.items()
+                 if not (self.tied_embeddings and k == "lm_head.weight")]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        (got, dtype_name, mapping), = self.llm.collective_rpc(_engine_checksums)
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        pushed = {}
+        for k, v in items:
+            pushed.setdefault(engine_name(k, mapping), []).append(v)
+        for name, (count, total, squares) in got.items():
+            if name not in pushed:
+                raise WeightPushError(f"engine parameter {name} was not in the pushed state dict")
+            e_count, e_total, e_squares = checksum(pushed[name], dtype)
+            if count != e_count or abs(total - e_total) > 1e-9 * max(e_squares, 1.0) \
+                    or abs(squares - e_squares) > 1e-9 * max(e_squares, 1.0):
+                raise WeightPushError(
+                    f"engine parameter {name} does not hold the pushed values: "
+                    f"(count, sum, sumsq) = {(count, total, squares)} vs {(e_count, e_total, e_squares)}")
+        return {"pushed": len(items), "verified": len(got)}
+
+
+class HFRollout:
+    """transformers `generate` on a local model; the reference backend and the fallback."""
+
+    def __init__(self, model_path, dtype="float32", seed=0, batch_size=32, model=None, tokenizer=None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
+        self.model = model or AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.eval()
+        self.batch_size = batch_size
+        torch.manual_seed(seed)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
+                 logprobs=False, ignore_eos=False, progress=False):
+        from tqdm import tqdm
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        flat = [x for x in ids for _ in range(n)]  # each prompt n times, groups contiguous
+        samples = []
+        starts = range(0, len(flat), self.batch_size)
+        for s in tqdm(starts, desc="hf generate", disable=not progress):
+            samples += self._generate_batch(flat[s:s + self.batch_size], temperature, top_p,
+                                            max_tokens, logprobs, ignore_eos)
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(self, batch, temperature, top_p, max_tokens, logprobs, ignore_eos):
+        width = max(map(len, batch))
+        input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in batch])  # left pad
+        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+        sampling = temperature > 0
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention, max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens if ignore_eos else 0, do_sample=sampling,
+            temperature=temperature if sampling else None, top_p=top_p if sampling else None,
+            top_k=0 if sampling else None, pad_token_id=self.pad_id,
+            output_scores=logprobs, return_dict_in_generate=True)
+        new = out.sequences[:, width:]  # [b, T_new]
+        if logprobs:
+            scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [b, T_new, V]
+            token_lp = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, T_new]
+        result = []
+        for row, prompt in enumerate(batch):
+            tokens = new[row].tolist()
+            end = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids and not ignore_eos), None)
+            finish = "stop" if end is not None else "length"
+            tokens = tokens[:end] if end is not None else tokens
+            lp = token_lp[row, :len(tokens)].tolist() if logprobs else None
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            result.append(Sample(list(prompt), tokens, text, finish, lp))
+        return result
+
+    def push_weights(self, state_dict):
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise WeightPushError(f"missing {missing}, unexpected {unexpected}")
+        return {"parameters": sum(p.numel() for p in self.model.parameters())}
+
+
+def make_rollout(backend, model_path, **kwargs):
+    if backend == "vllm":
+        return VLLMRollout(model_path, **kwargs)
+    if backend == "hf":
+        return HFRollout(model_path, **kwargs)
+    raise ValueError(f"unknown rollout backend {backend!r} (vllm | hf)")
