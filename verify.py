@@ -32,7 +32,6 @@ MAX_NESTING = 64  # deeper bracket nesting scores 0 ('too_deeply_nested')
 DEFAULT_TIMEOUT = 2.0  # seconds for one equivalence check, child start-up excluded
 STARTUP_TIMEOUT = 120.0  # seconds for the child to import sympy and math-verify
 WORKER_MEMORY_BYTES = 4 << 30  # RLIMIT_AS of the child process
-BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
 @dataclass(frozen=True)
@@ -93,31 +92,25 @@ def _brace_group(text, start, limit):
     return None
 
 
-def _next_box(text, pos):
-    """(start, content_start) of the next \\boxed{ or \\fbox{ at or after pos, or None."""
-    best = None
-    for cmd in BOX_COMMANDS:
-        i = text.find(cmd + "{", pos)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, i + len(cmd))
-    return best
+BOX = re.compile(r"\\(?:boxed|fbox)\{")
 
 
 def last_boxed(text):
-    """Content of the last top-level box and a reason: ('content', 'ok') or (None, why).
+    """Content of the last top-level \\boxed{}/\\fbox{} and 'ok', or (None, why). Linear time:
+    the scan only moves forward, and an unclosed box ends it (everything after is inside it).
 
-    >>> last_boxed("a \\\\boxed{1} b \\\\boxed{\\\\frac{2}{3}}")
-    ('\\\\frac{2}{3}', 'ok')
+    >>> last_boxed("a \\boxed{1} b \\boxed{\\frac{2}{3}}")
+    ('\\frac{2}{3}', 'ok')
     """
     found, reason, pos = None, "no_box", 0
-    while (box := _next_box(text, pos)) is not None:
-        start, brace = box
+    while (m := BOX.search(text, pos)) is not None:
+        brace = m.end() - 1
         end = _brace_group(text, brace, MAX_ANSWER_CHARS)
-        if end is None:
-            # unclosed, or longer than the cap: which one decides the reason
+        if end is None:  # longer than the cap, or never closed
             closed = _brace_group(text, brace, len(text))
-            found, reason = None, "answer_too_long" if closed else "unclosed_box"
-            pos = closed if closed else brace + 1
+            if closed is None:
+                return None, "unclosed_box"
+            found, reason, pos = None, "answer_too_long", closed
             continue
         found, reason, pos = text[brace + 1:end - 1], "ok", end  # nested boxes stay inside
     return found, reason
@@ -126,14 +119,13 @@ def last_boxed(text):
 def unwrap_boxes(text):
     """Replace nested \\boxed{X} by X (bounded: at most MAX_NESTING rounds)."""
     for _ in range(MAX_NESTING):
-        box = _next_box(text, 0)
-        if box is None:
+        m = BOX.search(text)
+        if m is None:
             break
-        start, brace = box
-        end = _brace_group(text, brace, len(text))
+        end = _brace_group(text, m.end() - 1, len(text))
         if end is None:
             break
-        text = text[:start] + text[brace + 1:end - 1] + text[end:]
+        text = text[:m.start()] + text[m.end():end - 1] + text[end:]
     return text
 
 

@@ -1,0 +1,94 @@
+import json
+import re
+
+import pytest
+
+from data import DataError, load_jsonl, resolve_data
+from data.builtin import LEVELS, make_splits
+from prompts import FEWSHOT
+
+GOOD = {"id": "a", "problem": "What is 1 + 1?", "answer": "2"}
+
+
+def write(tmp_path, lines):
+    path = tmp_path / "set.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ("{not json", "invalid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"id": "b", "problem": "p"}), "missing field 'answer'"),
+    (json.dumps({"id": "b", "problem": "p", "answer": "  "}), "field 'answer' is empty"),
+    (json.dumps({"id": "b", "problem": "p", "answer": 3}), "field 'answer' must be a string"),
+    (json.dumps({"id": "b", "problem": "p", "answer": "3", "source": 1}), "field 'source' must be a string"),
+    (json.dumps(GOOD), "duplicate id 'a'"),
+])
+def test_bad_row_names_file_and_line(tmp_path, bad_line, message):
+    path = write(tmp_path, [json.dumps(GOOD), "", bad_line])
+    with pytest.raises(DataError) as e:
+        load_jsonl(path)
+    assert str(e.value).startswith(f"{path}:3: ")  # blank line 2 is skipped, not miscounted
+    assert message in str(e.value)
+
+
+def test_skip_bad_counts_rows(tmp_path):
+    path = write(tmp_path, [json.dumps(GOOD), "{oops", json.dumps(GOOD),
+                            json.dumps({**GOOD, "id": "c", "solution": "s", "source": "x"})])
+    problems, skipped = load_jsonl(path, skip_bad=True)
+    assert [p.id for p in problems] == ["a", "c"]
+    assert skipped == 2
+    assert problems[1].solution == "s" and problems[1].source == "x"
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(DataError, match="no such data file"):
+        load_jsonl(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match="no valid rows"):
+        load_jsonl(write(tmp_path, ["{oops"]), skip_bad=True)
+
+
+def test_names_resolve():
+    assert resolve_data("builtin-dev").endswith("data/builtin/dev.jsonl")
+    assert resolve_data("aime24").endswith("data/public/aime24.jsonl")
+    assert resolve_data("some/file.jsonl") == "some/file.jsonl"
+
+
+def solve(problem):
+    """Independent reference: compute the answer from the problem text."""
+    m = re.fullmatch(r"What is (.+)\?", problem)
+    if m:
+        terms = m.group(1).split(" + ")
+        total = 0
+        for t in terms:
+            f = [int(x) for x in t.split(" × ")]
+            total += f[0] * (f[1] if len(f) > 1 else 1)
+        return total
+    m = re.fullmatch(r"How many \w+ are in (\d+) (\w+)\?", problem)
+    factors = {"hours": 60, "minutes": 60, "days": 24, "weeks": 7, "meters": 100,
+               "kilograms": 1000, "feet": 12, "dozens": 12}
+    return int(m.group(1)) * factors[m.group(2)]
+
+
+def test_shipped_builtin_splits_are_valid_disjoint_and_correct():
+    splits = {s: load_jsonl(f"builtin-{s}")[0] for s in ("train", "dev", "test")}
+    texts = {s: {p.problem for p in ps} for s, ps in splits.items()}
+    assert not texts["train"] & texts["dev"] and not texts["train"] & texts["test"]
+    assert not texts["dev"] & texts["test"]
+    fewshot = {q for q, _ in FEWSHOT}
+    for problems in splits.values():
+        assert {p.source for p in problems} == {f"builtin/{lv}" for lv in LEVELS}
+        for p in problems:
+            assert p.problem not in fewshot
+            assert int(p.answer) == solve(p.problem), p
+
+
+def test_generator_is_seeded_and_matches_shipped_files():
+    sizes = {"train": 40, "dev": 10, "test": 20}
+    assert make_splits(sizes, seed=0) == make_splits(sizes, seed=0)
+    assert make_splits(sizes, seed=0)["dev"] != make_splits(sizes, seed=1)["dev"]
+    shipped = load_jsonl("builtin-dev")[0]
+    assert make_splits(sizes, seed=0)["dev"] == shipped  # the files are reproducible
+    with pytest.raises(ValueError, match="problems"):
+        make_splits({"train": 10_000})
