@@ -12,6 +12,7 @@ The cache is written into a temporary sibling folder and renamed into place only
 so a conversion killed half-way is never picked up (rename within one directory is atomic).
 """
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -41,6 +42,27 @@ def shipped_gguf_path():
     return path
 
 
+@contextlib.contextmanager
+def atomic_directory(out_dir):
+    """Yield a temporary sibling folder to fill; rename it to `out_dir` only if the block
+    finishes. A crash or kill leaves `out_dir` untouched (a `.partial-*` folder may remain and
+    is never read). If another process completed `out_dir` first, ours is discarded."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=parent)
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, out_dir)  # atomic within one file system
+        except OSError:
+            if not os.path.isdir(out_dir):
+                raise
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def convert_gguf(gguf_path, out_dir):
     """Dequantise a GGUF into an fp32 HF folder at `out_dir`, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,22 +75,9 @@ def convert_gguf(gguf_path, out_dir):
         model.hf_quantizer.remove_quantization_config(model)
     if tokenizer.chat_template is None:
         raise ValueError(f"{gguf_path}: the GGUF carries no chat template")
-
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
-    try:
+    with atomic_directory(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, out_dir)  # atomic: out_dir either does not exist or is complete
-        except OSError:
-            if not os.path.isfile(os.path.join(out_dir, "config.json")):
-                raise
-            shutil.rmtree(tmp)  # another process finished the same conversion first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -77,7 +86,7 @@ def resolve_model(name_or_path=DEFAULT_MODEL):
     if name_or_path != DEFAULT_MODEL:
         return name_or_path
     out_dir = os.path.join(cache_root(), CACHE_NAME)
-    if not os.path.isfile(os.path.join(out_dir, "config.json")):
+    if not os.path.isdir(out_dir):
         print(f"converting the shipped GGUF into {out_dir} (once, ~30 s)")
         convert_gguf(shipped_gguf_path(), out_dir)
     return out_dir

@@ -1,0 +1,96 @@
+import itertools
+import json
+import math
+
+import pytest
+
+import eval as evaluation
+from data import Problem
+from eval import evaluate, pass_at_k, pass_ks
+from rollout import Sample
+
+
+@pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (4, 2), (6, 1), (8, 5), (16, 3), (16, 16)])
+def test_pass_at_k_equals_enumeration(n, c):
+    """Independent expectation: the fraction of all k-subsets of the n samples holding a hit."""
+    samples = [1] * c + [0] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(samples, k))
+        expected = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert pass_at_k(n, c, 1) == pytest.approx(c / n)
+
+
+def test_pass_at_k_large_n_is_stable():
+    assert pass_at_k(1000, 1, 10) == pytest.approx(1 - math.comb(999, 10) / math.comb(1000, 10))
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_default_protocol():
+    assert evaluation.default_k(30) == 16 and evaluation.default_k(500) == 0
+    assert pass_ks(16) == [1, 2, 4, 8, 16] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(0) == []
+
+
+class ScriptedEngine:
+    """Answers from a script: {(problem_text, temperature > 0): [responses]}."""
+
+    def __init__(self, script):
+        self.script = script
+
+    def generate(self, prompts, n=1, temperature=1.0, **_):
+        out = []
+        for messages in prompts:
+            question = messages[-1]["content"].split("\n")[0]
+            texts = self.script[(question, temperature > 0)]
+            assert len(texts) == n
+            out.append([Sample([1], [5] * (i + 1), t, "length" if t == "..." else "stop")
+                        for i, t in enumerate(texts)])
+        return out
+
+
+def test_evaluate_by_hand():
+    problems = [Problem("a", "What is 1 + 1?", "2", source="builtin/add1"),
+                Problem("b", "What is 2 × 3?", "6", source="builtin/mul1")]
+    engine = ScriptedEngine({
+        ("What is 1 + 1?", False): ["\\boxed{2}"],
+        ("What is 1 + 1?", True): ["\\boxed{2}", "\\boxed{3}", "...", "\\boxed{2}"],
+        ("What is 2 × 3?", False): ["6"],
+        ("What is 2 × 3?", True): ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "..."],
+    })
+    overall, by_source, records = evaluate(engine, problems, k=4, progress=False)
+    assert overall["greedy"] == 0.5 and overall["greedy_boxed"] == 0.5
+    assert overall["avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert overall["pass@1"] == pytest.approx(overall["avg@4"])
+    assert overall["pass@2"] == pytest.approx(((1 - 1 / 6) + (1 - 3 / 6)) / 2)  # C(2,2)/C(4,2), C(3,2)/C(4,2)
+    assert overall["pass@4"] == 1.0
+    assert by_source["builtin/mul1"]["greedy"] == 0.0 and by_source["builtin/add1"]["avg@4"] == 0.5
+    assert records[0]["rewards"] == [1.0] and records[0]["sampled"]["rewards"] == [1, 0, 0, 1]
+    assert records[1]["sampled"]["extracted"] == ["5", "5", "6", None]
+    assert records[0]["fewshot_turns"] == 3 and "What is 1 + 1?" in records[0]["prompt"]
+
+
+def test_bad_data_file_exits_nonzero_with_location(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"id": "1", "problem": "p", "answer": "1"}) + "\n{broken\n")
+    assert evaluation.main([f"--data={path}"]) == 2
+    assert f"{path}:2: invalid JSON" in capsys.readouterr().err
+
+
+def test_eval_cli_end_to_end(vllm_engine, tmp_path, monkeypatch, capsys):
+    """The CLI on a small file, reusing the session engine instead of starting another."""
+    import rollout
+
+    rows = [{"id": f"r{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1), "source": "builtin/add1"}
+            for i in range(3)]
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(rollout, "make_rollout", lambda *a, **k: vllm_engine)
+    out = tmp_path / "res.json"
+    assert evaluation.main([f"--data={path}", "--k=2", "--max_tokens=32", f"--out={out}"]) == 0
+    result = json.loads(out.read_text())["results"][str(path)]
+    assert result["k"] == 2 and result["overall"]["problems"] == 3
+    assert 0.0 <= result["overall"]["greedy"] <= 1.0
+    samples = [json.loads(x) for x in (tmp_path / "res.samples.jsonl").read_text().splitlines()]
+    assert [s["id"] for s in samples] == ["r0", "r1", "r2"] and len(samples[0]["sampled"]["responses"]) == 2
+    assert "greedy" in capsys.readouterr().out
