@@ -1,0 +1,146 @@
+import math
+
+import pytest
+import torch
+
+from grpo import (aggregate, entropy, group_advantages, k3_kl, make_batch, ppo_clip_token_loss,
+                  token_logprobs)
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
+                      [1.0, 0.0, 0.0, 0.0]])
+    a = group_advantages(r)
+    # unbiased std of [1,0,0,1] = sqrt(1/3); of [1,0,0,0] = 0.5
+    s = math.sqrt(1 / 3)
+    expected = torch.tensor([[0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s], [0.0] * 4, [0.0] * 4,
+                             [0.75 / 0.5, -0.25 / 0.5, -0.25 / 0.5, -0.25 / 0.5]])
+    assert torch.allclose(a, expected, atol=1e-5)
+    assert torch.allclose(group_advantages(r, norm="none")[3], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert torch.equal(group_advantages(torch.tensor([[1.0]])), torch.tensor([[0.0]]))
+    with pytest.raises(ValueError):
+        group_advantages(r, norm="batch")
+
+
+def test_token_logprobs_equal_negative_cross_entropy_and_entropy_is_true_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=g)
+    tokens = torch.randint(0, 11, (3, 5), generator=g)
+    for t in (1.0, 0.6):
+        lp = token_logprobs(logits, tokens, t)
+        ce = torch.nn.functional.cross_entropy((logits / t).reshape(-1, 11), tokens.reshape(-1), reduction="none")
+        assert torch.allclose(lp, -ce.reshape(3, 5), atol=1e-6)
+        p = torch.softmax(logits.double() / t, -1)
+        assert torch.allclose(entropy(logits, t).double(), -(p * p.log()).sum(-1), atol=1e-5)
+
+
+def reference_loss(logp, old, adv, eps_low, eps_high, dual):
+    """float64 scalar-by-scalar reference of the PPO-clip token loss."""
+    out = torch.zeros_like(logp, dtype=torch.float64)
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            a = float(adv[i])
+            rho = math.exp(float(logp[i, t]) - float(old[i, t]))
+            loss = max(-a * rho, -a * min(max(rho, 1 - eps_low), 1 + eps_high))
+            if dual and a < 0:
+                loss = min(loss, -a * dual)
+            out[i, t] = loss
+    return out
+
+
+@pytest.mark.parametrize("eps_low, eps_high, dual", [(0.2, 0.2, 0.0), (0.2, 0.28, 0.0), (0.2, 0.2, 3.0)])
+def test_ppo_loss_matches_float64_reference(eps_low, eps_high, dual):
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(4, 6, generator=g, dtype=torch.float64) - 2
+    logp = old + 1.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)  # ratios far outside the clip
+    adv = torch.tensor([1.3, -0.7, 0.0, -2.0], dtype=torch.float64)
+    loss, _ = ppo_clip_token_loss(logp, old, adv, eps_low, eps_high, dual)
+    assert torch.allclose(loss, reference_loss(logp, old, adv, eps_low, eps_high, dual), atol=1e-12)
+
+
+def test_gradient_is_zero_exactly_where_the_clip_is_active():
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    # ratios: 0.5 (below), 1.0 (inside), 1.1 (inside), 1.5 (above)
+    logp = torch.log(torch.tensor([[0.5, 1.0, 1.1, 1.5]] * 2, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, clipped = ppo_clip_token_loss(logp, old, adv)
+    loss.sum().backward()
+    # A > 0: the upper clip binds (ratio 1.5); A < 0: the lower clip binds (ratio 0.5)
+    assert clipped.tolist() == [[False, False, False, True], [True, False, False, False]]
+    assert (logp.grad[clipped] == 0).all()
+    assert (logp.grad[~clipped] != 0).all()
+    # unclipped gradient of -A*rho wrt logp is -A*rho
+    assert torch.allclose(logp.grad[0, :3], -torch.tensor([0.5, 1.0, 1.1], dtype=torch.float64))
+
+
+def test_single_update_loss_is_minus_mean_advantage_with_policy_gradient():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.ones(2, 2)
+    loss, _ = ppo_clip_token_loss(logp, logp.detach(), adv)
+    total = aggregate(loss, mask, "token-mean", step_tokens=4, step_rows=2)
+    total.backward()
+    assert total.item() == pytest.approx(-(1.0 * 2 - 0.5 * 2) / 4)
+    assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25], [0.125, 0.125]]))
+
+
+def test_k3_is_nonnegative_and_zero_at_equality():
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(100, generator=g), torch.randn(100, generator=g)
+    assert (k3_kl(a, b) >= 0).all()
+    assert torch.equal(k3_kl(a, a), torch.zeros(100))
+    d = b - a
+    assert torch.allclose(k3_kl(a, b), (d.exp() - d - 1).clamp(max=10))
+
+
+def split_sum(token_loss, mask, mode, sizes, max_len=None):
+    step_tokens, step_rows = mask.sum(), mask.shape[0]
+    total, start = 0.0, 0
+    for n in sizes:
+        sl = slice(start, start + n)
+        width = int(mask[sl].sum(1).max())  # each micro-batch padded only to its own longest row
+        total = total + aggregate(token_loss[sl, :width], mask[sl, :width], mode, step_tokens,
+                                  step_rows, max_len)
+        start += n
+    return total
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_gradient_accumulation_invariance(mode):
+    """k micro-batches of uneven lengths give the same loss and gradient as one batch."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [1, 7, 3, 5, 2, 8]
+    mask = torch.zeros(6, 8)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    logp = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    loss, _ = ppo_clip_token_loss(logp, logp.detach() + 0.1, adv)
+    whole = aggregate(loss, mask, mode, mask.sum(), 6, max_len=8)
+    (grad_whole,) = torch.autograd.grad(whole, logp, retain_graph=True)
+    parts = split_sum(loss, mask, mode, [1, 3, 2], max_len=8)
+    (grad_parts,) = torch.autograd.grad(parts, logp)
+    assert torch.allclose(whole, parts) and torch.allclose(grad_whole, grad_parts)
+    if mode == "token-mean":  # every valid token weighs 1 / N_tokens(step), whatever its row
+        nonzero = grad_whole[mask.bool()] / (-adv.unsqueeze(1).expand(6, 8)[mask.bool()] * math.exp(-0.1))  # rho = exp(-0.1), inside the clip
+        assert torch.allclose(nonzero, torch.full_like(nonzero, 1 / mask.sum().item()), atol=1e-4)
+
+
+def test_aggregation_values_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate(loss, mask, "token-mean", 3, 2).item() == pytest.approx(2.0)
+    assert aggregate(loss, mask, "seq-mean-token-mean", 3, 2).item() == pytest.approx((1.5 + 3) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", 3, 2, max_len=4).item() == pytest.approx(6 / 8)
+    weight = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])  # a masked token still counts below
+    assert aggregate(loss, mask, "token-mean", 3, 2, weight=weight).item() == pytest.approx(5 / 3)
+
+
+def test_make_batch_keeps_eos_in_the_mask_even_when_pad_equals_eos():
+    ids, attn, mask = make_batch([[5, 6], [7]], [[8, 2], [9, 9, 9, 2]], pad_id=2)
+    assert ids.tolist() == [[5, 6, 8, 2, 2], [7, 9, 9, 9, 2]]
+    assert attn.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert mask.int().tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]
+    # the loss positions: the EOS (2) of both rows is a target with mask 1
+    targets, loss_mask = ids[:, 1:], mask[:, 1:]
+    assert targets[loss_mask].tolist() == [8, 2, 9, 9, 9, 2]
