@@ -1,0 +1,472 @@
+"""GRPO training loop: the file a researcher edits (P²O builds on it).
+
+    python train.py                                  # short GRPO run: default model, built-in task
+    python train.py --group_size=12                  # the GRPO 2K baseline
+    python train.py --dynamic_sampling=True          # DAPO dynamic sampling
+    python train.py --eps_high=0.28                  # DAPO clip-higher
+    python train.py --adv_norm=none --loss_agg=seq-mean-token-sum-norm   # Dr. GRPO
+    python train.py --kl_beta=0.01                   # k3 KL to the frozen initial policy
+    python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
+
+Every setting lives in `Config` below; `--key=value` overrides it (types are checked, unknown
+keys are an error). One step: sample B prompts -> K rollouts each (vLLM) -> verify -> group
+advantages -> PPO-clip loss over the whole step in micro-batches -> AdamW -> push the weights
+into the engine (verified) -> log. Outputs go to out_dir/run_name: TensorBoard events
+(tb/), metrics.jsonl (one line per step), rollouts.jsonl (a sample of groups), checkpoints
+(ckpt-NNNNNN/ with an HF model folder that eval.py and vLLM load unchanged, and `latest`).
+
+Simplifications, on purpose: one process, one device; the reference model exists only when
+kl_beta > 0; groups whose advantages are all zero are not forwarded when kl_beta == 0 (their
+gradient is exactly zero) but their tokens still count in the token-mean denominator, as in
+the reference implementation; policy entropy is measured on the rows that were forwarded.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import grpo
+
+
+@dataclass
+class Config:
+    # ---- model and data
+    model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
+    train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
+    dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
+    backend: str = "vllm"  # rollout engine: vllm | hf
+    engine_dtype: str = "bfloat16"  # dtype of the rollout engine's weights
+    # ---- rollouts
+    prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
+    group_size: int = 6  # K: rollouts per prompt (paper 6; the 2K baseline is 12)
+    temperature: float = 0.6  # sampling temperature, also used for training log-probs (paper 0.6)
+    top_p: float = 1.0
+    max_tokens: int = 128  # max response tokens (paper 12,288); also L_max of Dr. GRPO
+    dynamic_sampling: bool = False  # DAPO: drop all-equal groups, refill with more prompts
+    max_refills: int = 3  # bound on DAPO refill rounds per step
+    # ---- loss (grpo.py)
+    adv_norm: str = "group"  # group: (r - mean) / (std + 1e-6) | none: r - mean (Dr. GRPO)
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    eps_low: float = 0.2  # PPO clip below 1
+    eps_high: float = 0.2  # PPO clip above 1 (0.28 = DAPO clip-higher)
+    dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual)
+    kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
+    ppo_epochs: int = 1  # optimizer steps per rollout batch (1: the ratio is 1, see grpo.py)
+    # ---- optimisation
+    lr: float = 1e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
+    warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm
+    micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
+    autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
+    max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
+    # ---- schedule and outputs
+    epochs: int = 2  # passes over train_data
+    max_steps: int = 0  # > 0: stop after this many steps instead
+    eval_every: int = 10  # dev evaluation every N steps (and before and after training)
+    eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
+    save_every: int = 10  # checkpoint every N steps (and at the end)
+    log_rollouts: int = 4  # groups per step written to rollouts.jsonl
+    seed: int = 0
+    out_dir: str = "runs"
+    run_name: str = ""  # default: grpo-<date>-<time>
+    resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
+
+
+def parse_overrides(cfg, argv):
+    """Apply --key=value overrides to a Config, checking names and types."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise SystemExit(f"arguments look like --key=value, got {arg!r}")
+        key, value = arg[2:].split("=", 1)
+        if key not in fields:
+            raise SystemExit(f"unknown setting {key!r}; settings: {', '.join(fields)}")
+        kind = type(getattr(cfg, key))
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                parsed = value.lower() in ("true", "1")
+            else:
+                parsed = kind(value)
+        except ValueError:
+            raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
+        setattr(cfg, key, parsed)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- data stream
+
+
+class PromptStream:
+    """Prompts in a fresh seeded order every epoch, as one endless stream. Its whole state is
+    `consumed` (prompts handed out so far), which makes resuming exact."""
+
+    def __init__(self, problems, seed, consumed=0):
+        self.problems, self.seed, self.consumed = problems, seed, consumed
+        self._order = {}
+
+    def epoch_of(self, position):
+        return position // len(self.problems)
+
+    def take(self, n):
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.consumed, len(self.problems))
+            if epoch not in self._order:
+                self._order = {epoch: random.Random(self.seed * 7919 + epoch).sample(
+                    range(len(self.problems)), len(self.problems))}
+            out.append(self.problems[self._order[epoch][i]])
+            self.consumed += 1
+        return out
+
+
+# ----------------------------------------------------------------------------- model helpers
+
+
+def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False):
+    """Log-probs of the response tokens, computing the LM head only where loss_mask is set.
+    input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+    selected = hidden[:, :-1][loss_mask]  # [N, H]: positions that predict a response token
+    logits = model.get_output_embeddings()(selected)  # [N, V]
+    targets = input_ids[:, 1:][loss_mask]  # [N]
+    logp = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
+    logp[loss_mask] = grpo.token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = grpo.entropy(logits.detach(), temperature)  # [N]
+    return logp, ent
+
+
+def save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, state, cfg):
+    """ckpt-NNNNNN/ (HF model folder + trainer.pt), written atomically; then `latest` -> it."""
+    from model import atomic_directory
+
+    name = f"ckpt-{step:06d}"
+    path = os.path.join(run_dir, name)
+    if os.path.isdir(path):
+        return path
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save({
+            "config": dataclasses.asdict(cfg), "step": step, "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), **state,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state()},
+        }, os.path.join(tmp, "trainer.pt"))
+    with open(os.path.join(run_dir, "latest.tmp"), "w") as f:
+        f.write(name + "\n")
+    os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
+    return path
+
+
+def load_trainer_state(path):
+    """trainer.pt of a checkpoint folder, or a clear error naming the file."""
+    file = os.path.join(path, "trainer.pt")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"{file}: not a checkpoint (no trainer.pt)") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is reported, not a traceback
+        raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
+
+
+def resolve_resume(cfg):
+    if cfg.resume != "auto":
+        return cfg.resume
+    latest = os.path.join(cfg.out_dir, cfg.run_name, "latest")
+    if not os.path.isfile(latest):
+        raise SystemExit(f"--resume=auto: {latest} does not exist")
+    return os.path.join(cfg.out_dir, cfg.run_name, open(latest).read().strip())
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(cfg, engine=None, reward_fn=None):
+    """Run GRPO with `cfg`. `engine` (an existing rollout engine holding cfg.model's weights)
+    and `reward_fn(text, problem) -> float` exist for tests; by default verify.reward is used."""
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data import load_jsonl
+    from eval import evaluate
+    from model import resolve_model
+    from prompts import build_messages, uses_fewshot
+    from rollout import HFRollout, make_rollout
+    from verify import reward as verify_reward
+
+    reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
+    resume_state = None
+    if cfg.resume:
+        path = resolve_resume(cfg)
+        resume_state = load_trainer_state(path)
+        print(f"resuming from {path} at step {resume_state['step']}")
+    cfg.run_name = cfg.run_name or f"grpo-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    print(json.dumps(dataclasses.asdict(cfg), indent=1))
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    # ---- data
+    train_set, _ = load_jsonl(cfg.train_data)
+    dev_set = load_jsonl(cfg.dev_data)[0] if cfg.dev_data else []
+    stream = PromptStream(train_set, cfg.seed, resume_state["consumed"] if resume_state else 0)
+    steps_per_epoch = max(1, len(train_set) // cfg.prompts_per_step)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+
+    # ---- models: the policy (fp32 master weights), the optional reference, the rollout engine
+    model_path = resolve_model(cfg.model)
+    weights_path = path if resume_state else model_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32)
+    policy.train()
+    reference = None
+    if cfg.kl_beta > 0:
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        reference.requires_grad_(False)
+    if engine is None:
+        if cfg.backend == "hf":
+            engine = HFRollout(None, model=policy, tokenizer=tokenizer)  # shares the weights
+        else:
+            engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
+                                  max_model_len=2048)
+    elif resume_state:
+        engine.push_weights(policy.state_dict())
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.999))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    step, bad_steps, skipped_steps = 0, 0, 0
+    if resume_state:
+        optimizer.load_state_dict(resume_state["optimizer"])
+        scheduler.load_state_dict(resume_state["scheduler"])
+        step, skipped_steps = resume_state["step"], resume_state["skipped_steps"]
+        random.setstate(resume_state["rng"]["python"])
+        np.random.set_state(resume_state["rng"]["numpy"])
+        torch.set_rng_state(resume_state["rng"]["torch"])
+
+    writer = SummaryWriter(os.path.join(run_dir, "tb"))
+    writer.add_text("config", "```\n" + json.dumps(dataclasses.asdict(cfg), indent=1) + "\n```", step)
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    rollouts_file = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
+
+    def state():
+        return {"consumed": stream.consumed, "skipped_steps": skipped_steps}
+
+    def checkpoint():
+        return save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, state(), cfg)
+
+    def dev_eval():
+        if not dev_set:
+            return {}
+        overall, _, _ = evaluate(engine, dev_set, k=cfg.eval_k, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False)
+        for key, value in overall.items():
+            writer.add_scalar(f"dev/{key}", value, step)
+        print(f"dev @ step {step}: greedy {overall['greedy']:.3f}" +
+              (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
+        return overall
+
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None:  # second signal: give up immediately
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+        print(f"\nsignal {signum}: finishing this step, saving a checkpoint, exiting")
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
+          "gradient is the policy gradient (see grpo.py)")
+    start_eval = dev_eval() if step == 0 else {}
+    bar = tqdm(total=total_steps, initial=step, desc="grpo", dynamic_ncols=True)
+    try:
+        while step < total_steps and stop["signal"] is None:
+            t0 = time.perf_counter()
+            # ---- generate: K rollouts per prompt (DAPO: refill groups that carry no signal)
+            groups, gen_tokens, refills, gen_time, score_time = [], 0, 0, 0.0, 0.0
+            need = cfg.prompts_per_step
+            while True:
+                problems = stream.take(need)
+                messages = [build_messages(p.problem, fewshot=uses_fewshot(p.source)) for p in problems]
+                tg = time.perf_counter()
+                samples = engine.generate(  # per-step seeds: a resumed run samples the same
+                    messages, n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
+                    max_tokens=cfg.max_tokens, seed=(cfg.seed * 100_003 + step) * 10_000 + refills * 1_000)
+                gen_time += time.perf_counter() - tg
+                gen_tokens += sum(len(s.response_ids) for g in samples for s in g)
+                # ---- score
+                ts = time.perf_counter()
+                new = [(p, g, [reward_fn(s.text, p) for s in g]) for p, g in zip(problems, samples)]
+                score_time += time.perf_counter() - ts
+                if not cfg.dynamic_sampling:
+                    groups = new
+                    break
+                groups += [x for x in new if len(set(x[2])) > 1][:need]  # DAPO: keep varied groups
+                need = cfg.prompts_per_step - len(groups)
+                if need <= 0 or refills >= cfg.max_refills:
+                    groups = groups or new  # nothing varied at all: an update of zero
+                    break
+                refills += 1
+
+            # ---- advantages
+            rewards = torch.tensor([r for _, _, r in groups], dtype=torch.float32)  # [G, K]
+            adv = grpo.group_advantages(rewards, cfg.adv_norm)  # [G, K]
+            rows = [(s.prompt_ids, s.response_ids, adv[gi, k].item())
+                    for gi, (_, g, _) in enumerate(groups) for k, s in enumerate(g)]
+            step_tokens = sum(len(r) for _, r, _ in rows)
+            step_rows = len(rows)
+            train_rows = [r for r in rows if r[2] != 0.0 or cfg.kl_beta > 0]
+            train_rows.sort(key=lambda r: len(r[0]) + len(r[1]))  # less padding per micro-batch
+
+            # ---- train: PPO-clip loss over the whole step, accumulated over micro-batches
+            tt = time.perf_counter()
+            micro = [train_rows[i:i + cfg.micro_batch_size]
+                     for i in range(0, len(train_rows), cfg.micro_batch_size)]
+            batches = []
+            for mb in micro:
+                ids, attn, resp = grpo.make_batch([r[0] for r in mb], [r[1] for r in mb], pad_id)
+                batches.append((ids, attn, resp[:, 1:], torch.tensor([r[2] for r in mb])))
+            old = [None] * len(batches)
+            if cfg.ppo_epochs > 1 or cfg.kl_beta > 0:
+                with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.autocast_bf16):
+                    if cfg.ppo_epochs > 1:
+                        old = [response_logprobs(policy, i, a, m, cfg.temperature)[0] for i, a, m, _ in batches]
+                    if reference is not None:
+                        refs = [response_logprobs(reference, i, a, m, cfg.temperature)[0] for i, a, m, _ in batches]
+            stats = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "ent_tokens": 0}
+            grad_norm, finite = 0.0, True
+            for epoch_i in range(cfg.ppo_epochs):
+                optimizer.zero_grad(set_to_none=True)
+                for bi, (ids, attn, mask, a) in enumerate(batches):
+                    with torch.autocast("cpu", torch.bfloat16, enabled=cfg.autocast_bf16):
+                        logp, ent = response_logprobs(policy, ids, attn, mask, cfg.temperature,
+                                                      with_entropy=epoch_i == 0)
+                    old_logp = logp.detach() if old[bi] is None else old[bi]
+                    token_loss, clipped = grpo.ppo_clip_token_loss(
+                        logp, old_logp, a, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+                    if reference is not None:
+                        kl = grpo.k3_kl(logp, refs[bi])
+                        token_loss = token_loss + cfg.kl_beta * kl
+                        stats["kl"] += (kl * mask).sum().item() / step_tokens
+                    loss = grpo.aggregate(token_loss, mask.float(), cfg.loss_agg, step_tokens,
+                                          step_rows, cfg.max_tokens)
+                    loss.backward()
+                    stats["loss"] += loss.item()
+                    stats["clipped"] += (clipped & mask).sum().item()
+                    if ent is not None:
+                        stats["entropy"] += ent.sum().item()
+                        stats["ent_tokens"] += ent.numel()
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() \
+                    if batches else 0.0
+                finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
+                if not finite:
+                    break
+                optimizer.step()
+            train_time = time.perf_counter() - tt
+            lr = scheduler.get_last_lr()[0]
+
+            step += 1
+            if not finite:  # a NaN/inf loss or gradient: skip the update, count it
+                optimizer.zero_grad(set_to_none=True)
+                bad_steps += 1
+                skipped_steps += 1
+                print(f"step {step}: non-finite loss/grad (loss {stats['loss']}, grad {grad_norm}); skipped")
+                if bad_steps >= cfg.max_bad_steps:
+                    raise RuntimeError(f"{bad_steps} consecutive non-finite steps; stopped after "
+                                       f"saving {checkpoint()}")
+            else:
+                bad_steps = 0
+                scheduler.step()
+
+            # ---- push the new weights into the rollout engine (verified inside)
+            tp = time.perf_counter()
+            if finite and batches:
+                engine.push_weights(policy.state_dict())
+            push_time = time.perf_counter() - tp
+
+            # ---- log
+            flat = [s for _, g, _ in groups for s in g]
+            lengths = [len(s.response_ids) for s in flat]
+            m = {
+                "step": step, "epoch": stream.epoch_of(stream.consumed - 1),
+                "reward_mean": rewards.mean().item(),
+                "accuracy_any": (rewards.max(dim=1).values > 0).float().mean().item(),
+                "zero_variance_groups": (rewards.std(dim=1) == 0).float().mean().item() if rewards.shape[1] > 1 else 1.0,
+                "groups": len(groups), "refills": refills,
+                "response_len_mean": sum(lengths) / len(lengths), "response_len_max": max(lengths),
+                "truncated": sum(s.finish_reason == "length" for s in flat) / len(flat),
+                "loss": stats["loss"] / cfg.ppo_epochs, "kl": stats["kl"] / cfg.ppo_epochs,
+                "clip_fraction": stats["clipped"] / max(1, step_tokens * cfg.ppo_epochs),
+                "entropy": stats["entropy"] / max(1, stats["ent_tokens"]),
+                "grad_norm": grad_norm, "lr": lr, "trained_rows": len(train_rows),
+                "time_generate": gen_time, "time_score": score_time, "time_train": train_time,
+                "time_push": push_time, "time_step": time.perf_counter() - t0,
+                "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9), "skipped_steps": skipped_steps,
+                "prompt_ids": [p.id for p, _, _ in groups],
+            }
+            for key, value in m.items():
+                if isinstance(value, (int, float)):
+                    writer.add_scalar(f"train/{key}", value, step)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            for p, g, r in groups[:cfg.log_rollouts]:
+                rollouts_file.write(json.dumps({"step": step, "id": p.id, "answer": p.answer,
+                                                "responses": [s.text for s in g], "rewards": r}) + "\n")
+            rollouts_file.flush()
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", zero_var=f"{m['zero_variance_groups']:.2f}",
+                            gen=f"{gen_time:.1f}s", train=f"{train_time:.1f}s")
+
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                dev_eval()
+            if cfg.save_every and step % cfg.save_every == 0:
+                checkpoint()
+        final_path = checkpoint()
+        if stop["signal"] is not None:
+            print(f"stopped by signal {stop['signal']}; checkpoint {final_path}")
+            return {"step": step, "checkpoint": final_path, "interrupted": True}
+        end_eval = dev_eval()
+    finally:
+        bar.close()
+        writer.close()
+        metrics_file.close()
+        rollouts_file.close()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    if start_eval and end_eval:
+        print(f"dev greedy accuracy: {start_eval['greedy']:.3f} before -> {end_eval['greedy']:.3f} after "
+              f"({len(dev_set)} problems)")
+    return {"step": step, "checkpoint": final_path, "start_eval": start_eval, "end_eval": end_eval,
+            "policy": policy}
+
+
+def main(argv):
+    cfg = parse_overrides(Config(), argv)
+    if cfg.resume:  # the checkpoint's settings, then the command line's on top
+        saved = load_trainer_state(resolve_resume(cfg))["config"]
+        cfg = parse_overrides(Config(**{**saved, "resume": cfg.resume}), argv)
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
