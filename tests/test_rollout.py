@@ -97,3 +97,16 @@ def test_incomplete_or_silently_dropped_push_raises(vllm_engine, hf_model, monke
     finally:
         monkeypatch.undo()
         vllm_engine.push_weights(original)
+
+
+def test_seeded_vllm_calls_are_reproducible(vllm_engine):
+    from data import load_jsonl
+
+    prompts = [build_messages(p.problem, fewshot=True) for p in load_jsonl("builtin-train")[0][:24]]
+    ids = lambda groups: [s.response_ids for g in groups for s in g]  # noqa: E731
+    a = vllm_engine.generate(prompts, n=4, temperature=1.0, max_tokens=24, seed=7)
+    vllm_engine.generate(prompts[::-1], n=2, temperature=1.0, max_tokens=8)  # fills the prefix cache
+    b = vllm_engine.generate(prompts, n=4, temperature=1.0, max_tokens=24, seed=7)
+    c = vllm_engine.generate(prompts, n=4, temperature=1.0, max_tokens=24, seed=8)
+    assert ids(a) == ids(b)
+    assert ids(a) != ids(c)
