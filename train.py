@@ -62,7 +62,7 @@ class Config:
     kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
     ppo_epochs: int = 1  # optimizer steps per rollout batch (1: the ratio is 1, see grpo.py)
     # ---- optimisation
-    lr: float = 1e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
+    lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
     warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm
@@ -70,9 +70,9 @@ class Config:
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
     max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
     # ---- schedule and outputs
-    epochs: int = 2  # passes over train_data
+    epochs: int = 1  # passes over train_data
     max_steps: int = 0  # > 0: stop after this many steps instead
-    eval_every: int = 10  # dev evaluation every N steps (and before and after training)
+    eval_every: int = 5  # dev evaluation every N steps (and before and after training)
     eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
     save_every: int = 10  # checkpoint every N steps (and at the end)
     log_rollouts: int = 4  # groups per step written to rollouts.jsonl
@@ -282,7 +282,9 @@ def train(cfg, engine=None, reward_fn=None):
                                  top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False)
         for key, value in overall.items():
             writer.add_scalar(f"dev/{key}", value, step)
-        print(f"dev @ step {step}: greedy {overall['greedy']:.3f}" +
+        with open(os.path.join(run_dir, "dev.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **overall}) + "\n")
+        tqdm.write(f"dev @ step {step}: greedy {overall['greedy']:.3f}" +
               (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
         return overall
 
@@ -453,6 +455,9 @@ def train(cfg, engine=None, reward_fn=None):
         rollouts_file.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+    from plot import plot_run
+
+    print(f"curves: {plot_run(run_dir)}")
     if start_eval and end_eval:
         print(f"dev greedy accuracy: {start_eval['greedy']:.3f} before -> {end_eval['greedy']:.3f} after "
               f"({len(dev_set)} problems)")

@@ -1,0 +1,144 @@
+import random
+from collections import Counter
+
+import pytest
+
+from gepa import (GepaConfig, HardItem, assign_templates, greedy_set_cover, guard, pareto_fronts,
+                  prune_dominated, run_gepa, select_parents, split_dev_train)
+
+CFG = GepaConfig()
+
+
+def test_pareto_fronts_keep_ties_and_skip_unsolved_items():
+    S = [[0, 1, 0, 0],
+         [1, 1, 0, 0],
+         [1, 0, 0, 1]]
+    assert pareto_fronts(S) == [{1, 2}, {0, 1}, {2}]  # item 2 solved by nobody: no front
+
+
+def test_a_covered_candidate_is_pruned():
+    S = [[1, 1, 0],   # 0: its fronts {0,1,2} and {0,1} both also hold 1
+         [1, 1, 1],   # 1: on every front
+         [1, 0, 0]]   # 2: only on front of item 0, which also holds 1
+    fronts = pareto_fronts(S)
+    assert prune_dominated(fronts, S) == {1}
+    # two candidates that each own one item both survive
+    S2 = [[1, 0], [0, 1], [1, 0]]
+    assert prune_dominated(pareto_fronts(S2), S2) in ({0, 1}, {1, 2})
+    assert prune_dominated(pareto_fronts(S2), S2) == {0, 1}  # weakest-first removes the newest twin
+
+
+def test_parents_drawn_in_proportion_to_fronts():
+    S = [[1, 1, 1, 0], [0, 0, 0, 1]]  # candidate 0 on 3 fronts, candidate 1 on 1
+    draws = Counter(select_parents(S, 20_000, random.Random(0)))
+    assert draws[0] / 20_000 == pytest.approx(0.75, abs=0.02)
+    # nothing solved yet: uniform over the pool
+    zero = Counter(select_parents([[0, 0], [0, 0]], 10_000, random.Random(1)))
+    assert zero[0] / 10_000 == pytest.approx(0.5, abs=0.03)
+
+
+def test_greedy_set_cover_by_hand():
+    S = [[0, 0, 0, 0, 0],
+         [1, 1, 1, 0, 0],
+         [0, 0, 1, 1, 0],
+         [0, 0, 0, 1, 0]]
+    assert greedy_set_cover(S) == [1, 2]  # 3 items, then 1 new; item 4 unsolvable
+    assert greedy_set_cover([[0, 0]]) == []
+
+
+def test_assignment_distribution():
+    pool = ["", "A", "B"]
+    S = [[0, 0, 0], [1, 1, 0], [0, 1, 1]]  # mean dev: A 2/3, B 2/3
+    chosen = greedy_set_cover(S)
+    assert chosen == [1, 2]
+    rng = random.Random(0)
+    out = assign_templates(pool, S, chosen, ["d0", "d1", "d2"], ["t0"], 6, rng)
+    assert out["d0"] == ["A"] * 6 and out["d2"] == ["B"] * 6  # only one chosen template solves them
+    many = assign_templates(pool, S, chosen, ["d0", "d1", "d2"], ["t0"], 6000, random.Random(1))
+    assert Counter(many["t0"])["A"] / 6000 == pytest.approx(0.5, abs=0.03)  # equal mean scores
+    same = assign_templates(pool, S, chosen, ["d0", "d1", "d2"], ["t0"], 6, rng, same_for_group=True)
+    assert all(len(set(v)) == 1 and len(v) == 6 for v in same.values())
+    assert assign_templates(pool, [[0, 0, 0]] * 3, [], ["d0"], [], 6, rng) == {}
+
+
+def test_split_dev_train():
+    dev, train = split_dev_train(range(10), dev_max=300, rng=random.Random(0))
+    assert len(dev) == 5 and len(train) == 5 and set(dev) | set(train) == set(range(10))
+    dev, train = split_dev_train(range(1000), dev_max=300, rng=random.Random(0))
+    assert len(dev) == 300
+
+
+MB = [HardItem("a", "Tom has 3 apples and buys 4 bags with 5 apples each. How many now?", "23"),
+      HardItem("b", "What is 7 + 4 × 3?", "19")]
+
+
+@pytest.mark.parametrize("text, finished, parent, reason", [
+    ("<template>Multiply first.</template>", False, "", "truncated"),
+    ("Multiply first.", True, "", "no_delimiter"),
+    ("<template>Multiply first.", True, "", "no_delimiter"),
+    ("<template>  </template>", True, "", "empty"),
+    ("<template>" + "Think. " * 100 + "</template>", True, "", "too_long"),
+    ("<template>Do the multiplication first and then the addition, always.</template>", True, "Multiply first.", "too_long"),
+    ("<template>add the numbers add the numbers add the numbers</template>", True, "", "repetition"),
+    ("<template>multiply   FIRST.</template>", True, "Multiply first.", "duplicate"),
+    ("<template>Seed dup</template>", True, "", "duplicate"),
+    ("<template>Think, then answer.<|im_end|></template>", True, "", "special_tokens"),
+    ("<template>Do not use \\boxed, write the answer in words.</template>", True, "", "format_conflict"),
+    ("<template>The result is 19, check it.</template>", True, "", "answer_leak"),
+    ("<template>Note: tom has 3 apples and buys 4 bags with five.</template>", True, "", "problem_copy"),
+])
+def test_each_guard_rejects_its_case(text, finished, parent, reason):
+    assert guard(text, finished, parent, ["", "seed DUP"], MB, CFG) == (None, reason)
+
+
+def test_guard_accepts_a_good_template():
+    out = guard("Sure! <template> Multiply before you add; then check. </template> Done.", True, "", [""], MB, CFG)
+    assert out == ("Multiply before you add; then check.", "ok")
+    assert guard("<template>Use 190 steps.</template>", True, "", [""], MB, CFG)[1] == "ok"  # 19 inside 190 is no leak
+
+
+def make_hard(n):
+    return [HardItem(f"h{i}", f"What is {i % 9 + 1} + {i % 7 + 2} × {i % 5 + 2}?",
+                     str(i % 9 + 1 + (i % 7 + 2) * (i % 5 + 2))) for i in range(n)]
+
+
+def scripted_answer(pairs, kind):
+    """A 'policy' that solves a + b × c only when told to multiply first."""
+    assert kind in ("gepa_dev", "gepa_minibatch")
+    out = []
+    for template, item in pairs:
+        problem = item.problem
+        a, b, c = [int(x) for x in problem.replace("What is ", "").replace("?", "").replace("×", "+").split("+")]
+        value = a + b * c if "multiply first" in template.lower() else (a + b) * c
+        out.append(f"The answer is \\boxed{{{value}}}.")
+    return out
+
+
+def test_run_gepa_end_to_end_with_scripted_models():
+    calls = []
+
+    def reflect(prompts):
+        calls.append(len(prompts))
+        assert all("the correct answer is" in p and "<template>" in p for p in prompts)
+        return [("<template>Multiply first, then add.</template>", True)] + \
+               [("no delimiter here", True)] * (len(prompts) - 1)
+
+    hard = make_hard(12)
+    cfg = GepaConfig(budget=60, parents_per_iter=2, minibatch=3)
+    res = run_gepa(hard, scripted_answer, reflect, cfg, random.Random(0), k=4)
+    assert res.pool[0] == "" and "Multiply first, then add." in res.pool
+    child = res.pool.index("Multiply first, then add.")
+    assert res.parents[child] == 0 and sum(res.scores[child]) == len(res.dev_ids) == 6
+    assert sum(res.scores[0]) < 6
+    assert res.chosen[0] == child
+    assert set(res.assignment) == {h.id for h in hard}
+    assert all(v == ["Multiply first, then add."] * 4 for k, v in res.assignment.items() if k in res.dev_ids[:1])
+    assert res.rejections["no_delimiter"] >= 1 and res.reflection_calls == sum(calls)
+    # accounting: seed on dev (6) + per iteration 2 parents x 3, + 3 for a tested child, + 6 for an accepted one
+    accepted = sum(e["outcome"] == "accepted" for e in res.log)
+    tested = sum(e.get("reason") == "not_better" for e in res.log) + accepted
+    parents_answered = sum(1 for e in res.log) - 0  # every proposal or skip came from one parent minibatch
+    assert res.metric_calls == 6 + 3 * parents_answered + 3 * tested + 6 * accepted
+    assert res.metric_calls >= cfg.budget or len(calls) == cfg.max_iterations
+    js = res.to_json()
+    assert js["best_dev_score"] == 1.0 and js["rejections"]["no_delimiter"] >= 1
