@@ -225,8 +225,11 @@ def guard(text, finished, parent, pool, minibatch, cfg):
 # ----------------------------------------------------------------------------- the search
 
 
-def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, progress=None):
-    """Evolve templates for the hard items; return the pool, scores, lineage and assignment."""
+def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, progress=None,
+             reward_fn=None):
+    """Evolve templates for the hard items; return the pool, scores, lineage and assignment.
+    reward_fn(response, item) -> 0/1 scores an answer (default: verify.check against item.answer)."""
+    reward_fn = reward_fn or (lambda response, item: check(response, item.answer).reward)
     dev, train = split_dev_train(hard, cfg.dev_max, rng)
     train = train or dev  # a tiny hard set: reflect on dev items too (then they are not held out)
     res = GepaResult(pool=[""], parents=[-1], scores=[], dev_ids=[d.id for d in dev],
@@ -236,7 +239,7 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
     def score(template, items, kind):
         responses = answer_fn([(template, it) for it in items], kind)
         res.metric_calls += len(items)
-        return [check(r, it.answer).reward for r, it in zip(responses, items)], responses
+        return [reward_fn(r, it) for r, it in zip(responses, items)], responses
 
     res.scores.append([int(s) for s in score("", dev, "gepa_dev")[0]])
     order, cursor = list(range(len(train))), len(train)

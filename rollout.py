@@ -2,6 +2,7 @@
 
     engine = make_rollout("vllm", resolve_model())          # or "hf" (transformers .generate)
     groups = engine.generate([messages, "raw prompt"], n=4, temperature=0.6, max_tokens=128)
+                                                            # n may also be one count per prompt
     groups[0][2]  -> Sample(prompt_ids=[1, 9690, ...], response_ids=[17, 1232, ..., 2],
                             text="2 + 3 = 5 ...", finish_reason="stop", logprobs=[-0.41, ...])
     engine.push_weights(policy.state_dict())               # verified; raises on any mismatch
@@ -39,6 +40,14 @@ class Sample:
 
 class WeightPushError(RuntimeError):
     """The inference engine does not hold the weights that were pushed."""
+
+
+def _per_prompt(n, num_prompts):
+    """`n` samples for every prompt, or a list with one count per prompt."""
+    counts = [n] * num_prompts if isinstance(n, int) else list(n)
+    if len(counts) != num_prompts:
+        raise ValueError(f"{len(counts)} sample counts for {num_prompts} prompts")
+    return counts
 
 
 def encode_prompt(tokenizer, prompt):
@@ -133,8 +142,9 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                logprobs=0 if logprobs else None, ignore_eos=ignore_eos)
+        params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                 logprobs=0 if logprobs else None, ignore_eos=ignore_eos)
+                  for k in _per_prompt(n, len(prompts))]
         if seed is not None:
             # The engine runs in this process and samples from torch's global generator, so
             # seeding it makes a call reproducible. Per-request SamplingParams(seed=...) would
@@ -212,13 +222,15 @@ class HFRollout:
         if seed is not None:
             torch.manual_seed(seed)
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        flat = [x for x in ids for _ in range(n)]  # each prompt n times, groups contiguous
+        counts = _per_prompt(n, len(prompts))
+        flat = [x for x, k in zip(ids, counts) for _ in range(k)]  # groups contiguous
         samples = []
         starts = range(0, len(flat), self.batch_size)
         for s in tqdm(starts, desc="hf generate", disable=not progress):
             samples += self._generate_batch(flat[s:s + self.batch_size], temperature, top_p,
                                             max_tokens, logprobs, ignore_eos)
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        return [samples[o:o + k] for o, k in zip(offsets, counts)]
 
     def _generate_batch(self, batch, temperature, top_p, max_tokens, logprobs, ignore_eos):
         width = max(map(len, batch))

@@ -3,6 +3,7 @@ config parsing, exact resume, and the NaN guard."""
 
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ def tiny_model(tmp_path_factory, model_path):
     tok = AutoTokenizer.from_pretrained(model_path)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.2,  # prompt-sensitive greedy outputs (0.02 repeats one token)
                          tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -137,3 +139,106 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
     assert out["interrupted"] and out["step"] == 2  # the step in flight was finished
     assert os.path.basename(out["checkpoint"]) == "ckpt-000002"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+class MarkingEngine:
+    """HF rollouts on the tiny model whose texts say whether the prompt carried a GEPA template
+    (the scripted templates start with 'Approach'): the tiny model cannot learn arithmetic, so
+    the scripted reward below makes templates help, as P²O hopes real templates do."""
+
+    def __init__(self, path):
+        from rollout import HFRollout
+
+        self.hf = HFRollout(path)
+
+    def generate(self, prompts, **kw):
+        groups = self.hf.generate(prompts, **kw)
+        for p, g in zip(prompts, groups):
+            if "Approach" in p[-1]["content"]:
+                for s in g:
+                    s.text += " [templated]"
+        return groups
+
+    def push_weights(self, state_dict):
+        return self.hf.push_weights(state_dict)
+
+
+def templated_reward(text, problem):
+    """1 for about half of the templated answers, 0 for every plain one."""
+    return float("[templated]" in text and zlib.crc32((problem.id + text).encode()) % 2 == 0)
+
+
+def small_data(tmp_path):
+    path = tmp_path / "six.jsonl"
+    rows = [{"id": f"q{i}", "problem": f"What is {i} + {i + 2} × 3?", "answer": str(i + (i + 2) * 3),
+             "source": "test"} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def scripted_reflector():
+    n = {"i": 0}
+
+    def reflect(prompts):
+        out = []
+        for p in prompts:
+            assert "the correct answer is" in p  # the records carry the feedback
+            n["i"] += 1
+            out.append((f"Sure. <template>Approach {n['i']}: think it through.</template>", True))
+        return out
+    return reflect
+
+
+def p2o_config(tiny_model, tmp_path, data, **over):
+    settings = dict(algo="p2o", train_data=data, prompts_per_step=3, group_size=4, max_steps=0, epochs=2,
+                    tau=2, gepa_min_hard=1, gepa_budget=30, gepa_parents=3, gepa_minibatch=1, save_every=0)
+    return tiny_config(tiny_model, tmp_path, **{**settings, **over})
+
+
+def test_one_p2o_epoch_end_to_end(tiny_model, tmp_path):
+    data = small_data(tmp_path)
+    out = train.train(p2o_config(tiny_model, tmp_path, data), engine=MarkingEngine(tiny_model),
+                      reward_fn=templated_reward, reflect_fn=scripted_reflector())
+    run = tmp_path / "t"
+    archive = json.loads((run / "gepa-epoch-0.json").read_text())
+    assert archive["pool"][0] == "" and len(archive["scores"]) == len(archive["pool"])
+    assert all(len(row) == len(archive["dev_ids"]) for row in archive["scores"])
+    accepted = [e for e in archive["log"] if e["outcome"] == "accepted"]
+    assert accepted and all(e["template"].startswith("Approach") for e in accepted)
+    history = out["gepa_history"]
+    assert history[0]["ran"] and history[0]["hard"] >= 1 and history[0]["accepted"] == len(accepted)
+    assert set(archive["assignment"]) <= {f"q{i}" for i in range(6)}
+    m = read_metrics(run)
+    assert [x["epoch"] for x in m] == [0, 0, 1, 1]
+    assert all(x["templated_row_fraction"] == 0 for x in m[:2])  # epoch 0 is plain GRPO
+    assert sum(x["templated_row_fraction"] for x in m[2:]) > 0
+    templated_groups = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    for g in templated_groups:
+        if any(g["templates"]):
+            assert set(g["templates"]) <= set(archive["pool"]) and len(g["templates"]) == 4
+            assert g["id"] in archive["assignment"]
+    c = out["counts"]
+    assert c["gepa_dev_rollouts"] > 0 and c["gepa_minibatch_rollouts"] > 0 and c["reflection_calls"] > 0
+    assert c["train_rollouts"] == 4 * 3 * 4
+
+
+def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_path):
+    data = small_data(tmp_path)
+    full = train.train(p2o_config(tiny_model, tmp_path / "a", data), engine=MarkingEngine(tiny_model),
+                       reward_fn=templated_reward, reflect_fn=scripted_reflector())
+    train.train(p2o_config(tiny_model, tmp_path / "b", data, max_steps=3, save_every=3),
+                engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflect_fn=scripted_reflector())
+    state = torch.load(tmp_path / "b" / "t" / "ckpt-000003" / "trainer.pt", weights_only=False)
+    assert state["epoch"] == 1 and state["assignment"] and state["counts"]["reflection_calls"] > 0
+    resumed = train.train(p2o_config(tiny_model, tmp_path / "b", data, resume="auto"),
+                          engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflect_fn=scripted_reflector())
+    ma, mb = read_metrics(tmp_path / "a" / "t"), read_metrics(tmp_path / "b" / "t")
+    assert [x["step"] for x in mb] == [1, 2, 3, 4]
+    for x, y in zip(ma, mb):
+        for key in ("prompt_ids", "reward_mean", "templated_row_fraction", "hard_so_far", "crm_masked_fraction"):
+            assert x[key] == y[key], key
+    untimed = lambda history: [{k: v for k, v in h.items() if k != "seconds"} for h in history]  # noqa: E731
+    assert full["counts"] == resumed["counts"]
+    assert untimed(full["gepa_history"]) == untimed(resumed["gepa_history"])
+    worst = max((a - b).abs().max().item() for a, b in zip(full["policy"].parameters(), resumed["policy"].parameters()))
+    assert worst <= 1e-6
