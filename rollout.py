@@ -12,6 +12,9 @@ chat template and a generation prompt) or a raw string. Both backends tokenise p
 same `encode_prompt`, so their prompt ids are identical. `response_ids` include the EOS token that
 ended a finished answer ("stop"); an answer cut by `max_tokens` ends with finish_reason "length".
 
+`stop` strings end an answer (kept at the end of its text, finish_reason "stop"). A chat prompt
+whose last message is an assistant turn is a prefill that the answer continues.
+
 `logprobs` (when asked) are the log-probabilities of the sampled tokens under the distribution
 that was actually sampled from, i.e. after temperature and top-p (vLLM "processed_logprobs",
 HF generate's processed scores); for greedy decoding that is the raw model distribution.
@@ -51,10 +54,14 @@ def _per_prompt(n, num_prompts):
 
 
 def encode_prompt(tokenizer, prompt):
-    """Chat messages -> chat-template ids with the generation prompt; a string -> its ids."""
+    """Chat messages -> chat-template ids with the generation prompt; a string -> its ids.
+    Messages ending with an assistant turn are a prefill: the answer continues that text."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if prompt[-1]["role"] == "assistant":
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+    else:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -137,13 +144,14 @@ class VLLMRollout:
                                             "tie_word_embeddings", False))
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
-                 logprobs=False, ignore_eos=False, progress=False):
+                 logprobs=False, ignore_eos=False, progress=False, stop=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 logprobs=0 if logprobs else None, ignore_eos=ignore_eos)
+                                 logprobs=0 if logprobs else None, ignore_eos=ignore_eos,
+                                 stop=stop, include_stop_str_in_output=True)
                   for k in _per_prompt(n, len(prompts))]
         if seed is not None:
             # The engine runs in this process and samples from torch's global generator, so
@@ -216,7 +224,7 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
-                 logprobs=False, ignore_eos=False, progress=False):
+                 logprobs=False, ignore_eos=False, progress=False, stop=None):
         from tqdm import tqdm
 
         if seed is not None:
@@ -228,11 +236,11 @@ class HFRollout:
         starts = range(0, len(flat), self.batch_size)
         for s in tqdm(starts, desc="hf generate", disable=not progress):
             samples += self._generate_batch(flat[s:s + self.batch_size], temperature, top_p,
-                                            max_tokens, logprobs, ignore_eos)
+                                            max_tokens, logprobs, ignore_eos, stop)
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         return [samples[o:o + k] for o, k in zip(offsets, counts)]
 
-    def _generate_batch(self, batch, temperature, top_p, max_tokens, logprobs, ignore_eos):
+    def _generate_batch(self, batch, temperature, top_p, max_tokens, logprobs, ignore_eos, stop):
         width = max(map(len, batch))
         input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in batch])  # left pad
         attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
@@ -242,7 +250,8 @@ class HFRollout:
             min_new_tokens=max_tokens if ignore_eos else 0, do_sample=sampling,
             temperature=temperature if sampling else None, top_p=top_p if sampling else None,
             top_k=0 if sampling else None, pad_token_id=self.pad_id,
-            output_scores=logprobs, return_dict_in_generate=True)
+            output_scores=logprobs, return_dict_in_generate=True,
+            stop_strings=stop, tokenizer=self.tokenizer if stop else None)
         new = out.sequences[:, width:]  # [b, T_new]
         if logprobs:
             scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [b, T_new, V]
@@ -255,6 +264,9 @@ class HFRollout:
             tokens = tokens[:end] if end is not None else tokens
             lp = token_lp[row, :len(tokens)].tolist() if logprobs else None
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            hits = [text.find(x) + len(x) for x in stop or () if x in text]
+            if hits:  # stopped by a stop string (kept in the text, as vLLM's include_stop_str_in_output)
+                text, finish = text[:min(hits)], "stop"
             result.append(Sample(list(prompt), tokens, text, finish, lp))
         return result
 

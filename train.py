@@ -75,7 +75,7 @@ class Config:
     # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
     tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
     gepa_min_hard: int = 20  # GEPA runs at an epoch's end only with this many hard prompts (paper 100 on 5K)
-    gepa_budget: int = 300  # metric calls per GEPA round (one = one (template, problem) answer)
+    gepa_budget: int = 200  # metric calls per GEPA round (one = one (template, problem) answer)
     gepa_dev_max: int = 300  # hard prompts used as GEPA dev items, at most (paper 300)
     gepa_parents: int = 4  # W: parents per GEPA iteration (paper 16)
     gepa_minibatch: int = 3  # b: train items per reflection (paper 3)
@@ -83,7 +83,7 @@ class Config:
     reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id (Teacher-Ref)
     reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
     reflect_temperature: float = 0.8
-    reflect_max_tokens: int = 200
+    reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
     context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
     crm: bool = True  # Context Ratio Mask on templated rows (False: ablation)
@@ -273,12 +273,10 @@ def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, re
         return [g[0].text for g in out]
 
     reflector_engine, swap = engine, None
-    if reflect_override is not None:
-        pass
-    elif cfg.reflector == "init":  # Self-Ref: the frozen starting weights, swapped into the engine
+    if reflect_override is None and cfg.reflector == "init":  # Self-Ref: the frozen starting weights, swapped into the engine
         from transformers import AutoModelForCausalLM
         swap = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
-    elif cfg.reflector != "policy":  # Teacher-Ref: another local model
+    elif reflect_override is None and cfg.reflector != "policy":  # Teacher-Ref: another local model
         from model import resolve_model
         reflector_engine = make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector))
 
@@ -290,21 +288,23 @@ def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, re
         if swap:
             engine.push_weights(swap)
         try:
-            out = reflector_engine.generate([[{"role": "user", "content": p}] for p in prompts], n=1,
-                                            temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens,
-                                            seed=cfg.seed * 7 + counts["reflection_calls"])
+            # the answer is prefilled with the opening delimiter and stops at the closing one: a
+            # small reflector rarely produces the delimiters by itself
+            out = reflector_engine.generate(
+                [[{"role": "user", "content": p}, {"role": "assistant", "content": gepa.DELIM_OPEN}] for p in prompts],
+                n=1, temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens,
+                seed=cfg.seed * 7 + counts["reflection_calls"], stop=[gepa.DELIM_CLOSE])
         finally:
             if swap:
                 engine.push_weights(current)
         counts["reflection_calls"] += len(prompts)
         counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
-        return [(g[0].text, g[0].finish_reason == "stop") for g in out]
+        return [(gepa.DELIM_OPEN + g[0].text, g[0].finish_reason == "stop") for g in out]
 
     gcfg = gepa.GepaConfig(budget=cfg.gepa_budget, dev_max=cfg.gepa_dev_max, parents_per_iter=cfg.gepa_parents,
                            minibatch=cfg.gepa_minibatch, max_template_chars=cfg.max_template_chars)
     return gepa.run_gepa(hard_problems, answer_fn, reflect_fn, gcfg, random.Random(cfg.seed * 7919 + epoch),
-                         k=cfg.group_size, same_for_group=cfg.same_template_per_group,
-                         reward_fn=lambda response, item: reward_fn(response, item))
+                         k=cfg.group_size, same_for_group=cfg.same_template_per_group, reward_fn=reward_fn)
 
 
 # ----------------------------------------------------------------------------- the loop
