@@ -30,6 +30,7 @@ def plot_run(run_dir):
     fig, ax = plt.subplots(2, 2, figsize=(11, 7))
     ax[0, 0].plot(x, [m["reward_mean"] for m in steps], label="train reward (mean)")
     ax[0, 0].plot(x, [m["zero_variance_groups"] for m in steps], label="zero-variance groups")
+    ax[0, 0].plot(x, [m.get("templated_row_fraction", 0.0) for m in steps], label="templated rows (P²O)")
     ax[0, 0].set_title("rollouts")
     if dev:
         keys = [k for k in dev[0] if k == "greedy" or k.startswith("avg@")]
@@ -44,7 +45,8 @@ def plot_run(run_dir):
     ax[1, 1].set_title("seconds per step")
     for a in ax.flat:
         a.set_xlabel("step")
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
         a.grid(alpha=0.3)
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()

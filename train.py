@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import sys
 import time
@@ -98,6 +99,7 @@ class Config:
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
     # ---- schedule and outputs
     epochs: int = 2  # passes over train_data (P²O needs 2: GEPA after epoch 0, templates in epoch 1)
@@ -359,6 +361,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32)
     policy.train()
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = None
     if cfg.kl_beta > 0:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -615,6 +619,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
                 "time_generate": gen_time, "time_score": score_time, "time_train": train_time,
                 "time_push": push_time, "time_step": time.perf_counter() - t0,
                 "gen_tokens_per_s": sum(lengths) / max(gen_time, 1e-9), "skipped_steps": skipped_steps,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "prompt_ids": [g.problem.id for g in groups],
             }
             for key, value in m.items():

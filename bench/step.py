@@ -10,7 +10,8 @@ the same K, max new tokens, temperature, learning rate, micro-batch, bf16 autoca
 no KL, token-mean loss, one optimizer step per rollout batch, and verify.reward. Generation is
 each framework's own default on this machine: ours vLLM (in-process), TRL transformers
 `generate` (TRL's vLLM path expects a CUDA vLLM). The first step of every run is a warm-up and is
-not timed. Prints per-step wall time and peak RSS of each, then the ratios (ours / TRL) last.
+not timed. Prints per-step wall time and peak RSS (at the end of the last step) of each, then
+the ratios (ours / TRL) last. `--gradient_checkpointing` turns it on in both.
 """
 
 import argparse
@@ -46,14 +47,17 @@ def run_ours(args):
         cfg = train.Config(prompts_per_step=args.prompts, group_size=args.k, max_tokens=args.max_tokens,
                            micro_batch_size=args.micro_batch, lr=args.lr, warmup_steps=1, dev_data="",
                            eval_every=0, save_every=0, max_steps=args.steps + 1, out_dir=out,
-                           run_name="bench", seed=args.seed, temperature=args.temperature)
+                           run_name="bench", seed=args.seed, temperature=args.temperature,
+                           gradient_checkpointing=args.gradient_checkpointing)
         train.train(cfg)
         with open(os.path.join(out, "bench", "metrics.jsonl")) as f:
             metrics = [json.loads(line) for line in f]
     steps = [m["time_step"] for m in metrics[1:]]
     split = {k: statistics.mean(m[k] for m in metrics[1:])
              for k in ("time_generate", "time_score", "time_train", "time_push")}
-    return {"step_seconds": steps, "split": split, "peak_rss_mb": peak_rss_mb()}
+    # peak RSS at the end of the last step (train.py logs it): the final checkpoint save, which
+    # TRL is told to skip, is not counted
+    return {"step_seconds": steps, "split": split, "peak_rss_mb": metrics[-1]["peak_rss_mb"]}
 
 
 def run_trl(args):
@@ -82,6 +86,7 @@ def run_trl(args):
 
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self.t)
+            self.peak = peak_rss_mb()
 
     rows = args.prompts * args.k
     with tempfile.TemporaryDirectory() as out:
@@ -91,13 +96,14 @@ def run_trl(args):
             max_completion_length=args.max_tokens, temperature=args.temperature, learning_rate=args.lr,
             beta=0.0, loss_type="dapo", num_iterations=1, max_steps=args.steps + 1, logging_steps=1,
             report_to=[], save_strategy="no", seed=args.seed, shuffle_dataset=False,
-            warmup_steps=1, lr_scheduler_type="constant_with_warmup")
+            warmup_steps=1, lr_scheduler_type="constant_with_warmup",
+            gradient_checkpointing=args.gradient_checkpointing)
         timer = Timer()
         trainer = GRPOTrainer(model=resolve_model(), reward_funcs=verify_reward, args=config,
                               train_dataset=data, callbacks=[timer])
         torch.manual_seed(args.seed)
         trainer.train()
-    return {"step_seconds": timer.times[1:], "peak_rss_mb": peak_rss_mb()}
+    return {"step_seconds": timer.times[1:], "peak_rss_mb": timer.peak}
 
 
 def main():
@@ -111,6 +117,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after 1 warm-up)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gradient_checkpointing", action="store_true")
     ap.add_argument("--role", choices=["ours", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -135,7 +142,8 @@ def main():
                   + (f", split {json.dumps({k: round(v, 2) for k, v in res['split'].items()})}" if "split" in res else ""))
     med = {role: statistics.median(s for res in rs for s in res["step_seconds"]) for role, rs in results.items()}
     rss = {role: max(res["peak_rss_mb"] for res in rs) for role, rs in results.items()}
-    print(f"config: {args.prompts} prompts x K={args.k}, {args.max_tokens} max new tokens, micro-batch {args.micro_batch}")
+    print(f"config: {args.prompts} prompts x K={args.k}, {args.max_tokens} max new tokens, micro-batch {args.micro_batch}"
+          f", gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
     print(f"median step: ours {med['ours']:.1f} s, TRL {med['trl']:.1f} s; peak RSS: ours {rss['ours']:.0f} MB, TRL {rss['trl']:.0f} MB")
     print(f"ratios ours/TRL: step time {med['ours'] / med['trl']:.2f}, peak RSS {rss['ours'] / rss['trl']:.2f}")
 

@@ -134,3 +134,15 @@ def test_seeded_vllm_calls_are_reproducible(vllm_engine):
     c = vllm_engine.generate(prompts, n=4, temperature=1.0, max_tokens=24, seed=8)
     assert ids(a) == ids(b)
     assert ids(a) != ids(c)
+
+
+def test_stop_strings_and_assistant_prefill(vllm_engine, hf_model):
+    tok = vllm_engine.tokenizer
+    msgs = [{"role": "user", "content": "Count from 1 to 20."}, {"role": "assistant", "content": "1, 2, 3, 4,"}]
+    assert tok.decode(encode_prompt(tok, msgs)).endswith("<|im_start|>assistant\n1, 2, 3, 4,")  # no new turn
+    v = vllm_engine.generate([msgs], n=1, temperature=0, max_tokens=30, stop=[","])[0][0]
+    assert v.finish_reason == "stop" and v.text.endswith(",") and v.text.count(",") == 1
+    assert v.text.strip() == "5,"
+    h = HFRollout(None, model=hf_model, tokenizer=tok).generate([msgs], n=1, temperature=0, max_tokens=30,
+                                                                  stop=[","])[0][0]
+    assert (h.text, h.finish_reason) == (v.text, v.finish_reason)
