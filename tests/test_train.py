@@ -2,6 +2,7 @@
 config parsing, exact resume, and the NaN guard."""
 
 import json
+import math
 import os
 import zlib
 
@@ -242,3 +243,25 @@ def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_p
     assert untimed(full["gepa_history"]) == untimed(resumed["gepa_history"])
     worst = max((a - b).abs().max().item() for a, b in zip(full["policy"].parameters(), resumed["policy"].parameters()))
     assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("flags", [
+    dict(dynamic_sampling=True, max_refills=1),
+    dict(kl_beta=0.1, ppo_epochs=2, dual_clip=3.0, eps_high=0.28),
+    dict(crm_soft=True, crm_denominator="kept"),
+    dict(context_distill=False),
+    dict(same_template_per_group=True, crm=False),
+    dict(adv_norm="none", loss_agg="seq-mean-token-sum-norm", gradient_checkpointing=True),
+    dict(loss_agg="seq-mean-token-mean", algo="grpo"),
+])
+def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
+    data = small_data(tmp_path)
+    out = train.train(p2o_config(tiny_model, tmp_path, data, **flags), engine=MarkingEngine(tiny_model),
+                      reward_fn=templated_reward, reflect_fn=scripted_reflector())
+    m = read_metrics(tmp_path / "t")
+    assert out["step"] == 4 and len(m) == 4 and all(math.isfinite(x["grad_norm"]) for x in m)
+    if flags.get("algo") == "grpo":
+        assert not out["gepa_history"] and all(x["templated_row_fraction"] == 0 for x in m)
+    if flags.get("same_template_per_group"):
+        for line in (tmp_path / "t" / "rollouts.jsonl").read_text().splitlines():
+            assert len(set(json.loads(line)["templates"])) == 1
