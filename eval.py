@@ -24,7 +24,7 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from data import DataError, load_jsonl
-from prompts import build_messages, uses_fewshot
+from prompts import problem_messages
 from verify import check
 
 SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (SPEC §7)
@@ -91,7 +91,7 @@ def summarize(greedy, sampled, k):
 def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True):
     """Greedy answers, plus k samples at `temperature` when k > 0.
     Returns (overall row, {source: row}, records); records hold greedy then sampled responses."""
-    messages = [build_messages(p.problem, fewshot=uses_fewshot(p.source)) for p in problems]
+    messages = [problem_messages(p) for p in problems]
     greedy = score_groups(problems, messages, engine.generate(
         messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     sampled = score_groups(problems, messages, engine.generate(

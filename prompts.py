@@ -7,7 +7,7 @@
 The answer-format instruction belongs to the original user text, never to the template, so an
 evolved template cannot break answer extraction (SPEC §2). With `fewshot=True` three worked
 one-step examples come first as earlier chat turns: the 135M default model almost never writes
-\\boxed{} otherwise (SPEC §9). They are used for the built-in task only (`uses_fewshot`).
+\\boxed{} otherwise (SPEC §9). They are used for the built-in task only (`problem_messages`).
 """
 
 FORMAT_INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -40,6 +40,8 @@ def build_messages(problem, template="", fewshot=False):
     return messages
 
 
-def uses_fewshot(source):
-    """Few-shot turns are part of the built-in task's prompt format, not of other data."""
-    return bool(source) and source.startswith("builtin")
+def problem_messages(p, template=""):
+    """Messages for a data row (data.Problem): the few-shot turns are part of the built-in
+    task's prompt format only, so rows from other sources get none."""
+    fewshot = bool(p.source) and p.source.startswith("builtin")
+    return build_messages(p.problem, template, fewshot)

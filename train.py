@@ -239,14 +239,14 @@ class Group:
 def generate_groups(engine, problems, assignment, cfg, seed):
     """K rollouts per problem. A problem with assigned templates gets one per rollout (requests
     with the same template are merged into one request with n > 1)."""
-    from prompts import build_messages, uses_fewshot
+    from prompts import problem_messages
 
     requests = []  # (problem index, template, count)
     for i, p in enumerate(problems):
         templates = assignment.get(p.id) or [""] * cfg.group_size
         for t in dict.fromkeys(templates):  # distinct templates, first-seen order
             requests.append((i, t, templates.count(t)))
-    messages = [build_messages(problems[i].problem, t, uses_fewshot(problems[i].source)) for i, t, _ in requests]
+    messages = [problem_messages(problems[i], t) for i, t, _ in requests]
     out = engine.generate(messages, n=[c for _, _, c in requests], temperature=cfg.temperature,
                           top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed)
     groups = [Group(p, [], [], []) for p in problems]
@@ -264,11 +264,11 @@ def response_slices(mask):
 def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, reward_fn, reflect_override=None):
     """Run GEPA on this epoch's hard prompts with the current policy answering; return the result."""
     import gepa
-    from prompts import build_messages, uses_fewshot
+    from prompts import problem_messages
     from rollout import make_rollout
 
     def answer_fn(pairs, kind):
-        msgs = [build_messages(item.problem, t, uses_fewshot(item.source)) for t, item in pairs]
+        msgs = [problem_messages(item, t) for t, item in pairs]
         out = engine.generate(msgs, n=1, temperature=0.0, max_tokens=cfg.max_tokens)
         counts[f"{kind}_rollouts"] += len(pairs)
         counts[f"{kind}_tokens"] += sum(len(g[0].response_ids) for g in out)
@@ -325,7 +325,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     from data import load_jsonl
     from eval import evaluate
     from model import resolve_model
-    from prompts import build_messages, uses_fewshot
+    from prompts import problem_messages
     from rollout import HFRollout, encode_prompt, make_rollout
     from verify import reward as verify_reward
 
@@ -479,7 +479,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             # ---- rows: templated rollouts re-built under the original prompt (context distillation)
             rows = []  # (train prompt ids, response ids, advantage, templated prompt ids or None)
             for gi, g in enumerate(groups):
-                plain_ids = encode_prompt(tokenizer, build_messages(g.problem.problem, "", uses_fewshot(g.problem.source)))
+                if any(g.templates) and cfg.context_distill:  # the original prompt x, tokenised once
+                    plain_ids = encode_prompt(tokenizer, problem_messages(g.problem))
                 for k, (s, t) in enumerate(zip(g.samples, g.templates)):
                     if t and cfg.context_distill:
                         prompt_ids, response_ids = distill.distill_row(plain_ids, s)

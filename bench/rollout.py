@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from data import load_jsonl  # noqa: E402
 from model import resolve_model  # noqa: E402
-from prompts import build_messages, uses_fewshot  # noqa: E402
+from prompts import problem_messages  # noqa: E402
 from rollout import HFRollout, VLLMRollout  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def main():
 
     path = resolve_model(args.model)
     problems = load_jsonl("builtin-train")[0][:args.batch]
-    prompts = [build_messages(p.problem, fewshot=uses_fewshot(p.source)) for p in problems]
+    prompts = [problem_messages(p) for p in problems]
     vllm = VLLMRollout(path, dtype=args.dtype, max_model_len=1024)
     hf = HFRollout(path, dtype=args.dtype, batch_size=args.batch)
     print(f"batch {args.batch} x {args.new_tokens} new tokens, {args.dtype}, torch threads {torch.get_num_threads()}")

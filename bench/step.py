@@ -67,11 +67,11 @@ def run_trl(args):
     from trl import GRPOConfig, GRPOTrainer
 
     from model import resolve_model
-    from prompts import build_messages, uses_fewshot
+    from prompts import problem_messages
     from verify import reward
 
     problems = prompts_for(args)
-    data = Dataset.from_list([{"prompt": build_messages(p.problem, fewshot=uses_fewshot(p.source)),
+    data = Dataset.from_list([{"prompt": problem_messages(p),
                                "answer": p.answer} for p in problems])
 
     def verify_reward(completions, answer, **_):
