@@ -80,7 +80,11 @@ class Config:
     gepa_dev_max: int = 300  # hard prompts used as GEPA dev items, at most (paper 300)
     gepa_parents: int = 4  # W: parents per GEPA iteration (paper 16)
     gepa_minibatch: int = 3  # b: train items per reflection (paper 3)
+    gepa_max_iterations: int = 50  # safety bound on GEPA iterations besides the budget
     max_template_chars: int = 300  # guard: longer templates are rejected (they derail a small model)
+    template_max_growth: float = 1.5  # guard: a child may be at most this times longer than a non-empty parent
+    guard_copy_words: int = 8  # guard: this many consecutive words of a minibatch problem (or all of a shorter one) = a copy
+    reflect_answer_chars: int = 300  # the policy's answer is cut to this many characters in a reflection record
     reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id (Teacher-Ref)
     reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
     reflect_temperature: float = 0.8
