@@ -8,41 +8,43 @@ The search is pure logic around two callables, so it can be read and tested alon
                                             # kind: "gepa_dev" | "gepa_minibatch" (accounting)
     reflect_fn([meta_prompt, ...])        -> [(text, finished), ...]  # sampled, reflector
 
-    result = run_gepa(hard, answer_fn, reflect_fn, GepaConfig(budget=400), random.Random(0))
+    result = run_gepa(hard, answer_fn, reflect_fn, train.Config(gepa_budget=400), random.Random(0))
     result.pool        -> ["", "Multiply before adding. ...", ...]    candidate 0 is the empty seed
     result.scores      -> [[0, 1, 0, ...], ...]                       S[candidate][dev item] in {0, 1}
     result.assignment  -> {"builtin-two_step-train-0003": [t1, t1, t2, t1, t2, t1], ...}
 
+`cfg` everywhere is train.Config (duck-typed, never imported here); only its GEPA and guard
+fields are read: gepa_budget, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
+gepa_max_iterations, max_template_chars, template_max_growth, guard_copy_words,
+reflect_answer_chars.
+
 One iteration: per-item Pareto fronts over the dev scores -> prune dominated candidates ->
-sample W parents with probability proportional to their number of fronts -> for each parent:
+sample parents with probability proportional to their number of fronts -> for each parent:
 answer a minibatch of b train items under it (b metric calls; all correct: skip) -> reflect ->
 guards (reject without spending metric calls) -> answer the same minibatch under the child
-(b calls) -> accept iff its minibatch score is STRICTLY higher -> score it on all of dev
-(|dev| calls) and add it to the pool with its parent. The budget (metric calls) is checked
-between iterations. Merge/crossover is a no-op for single-text candidates and is left out.
+(b calls) -> accept_child: its minibatch score is STRICTLY higher -> score it on all of dev
+(|dev| calls) and add it to the pool with its parent. Merge/crossover is a no-op for
+single-text candidates and is left out.
+
+The budget is a hard cap: metric_calls <= gepa_budget always. One proposal costs at most
+2b + |dev| calls, and a proposal starts only while that many calls remain unreserved, so an
+accepted child can always be scored on dev; an iteration takes parents one by one while the next
+reservation fits (so it may have fewer than W), and the round ends when not even one fits. The
+dev set is capped so that the seed's dev evaluation plus one full proposal fit:
+|dev| = min(gepa_dev_max, half of the hard set (at least 1), (budget - 2b) // 2); a budget too
+small for that raises ValueError rather than silently assigning no templates.
 """
 
 import random
 import re
+import string
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from verify import check
 
 DELIM_OPEN, DELIM_CLOSE = "<template>", "</template>"
-
-
-@dataclass
-class GepaConfig:
-    budget: int = 400  # metric calls (one = one (template, problem) answer scored)
-    dev_max: int = 300  # at most this many hard prompts are dev items (paper 300)
-    parents_per_iter: int = 16  # W (paper 16)
-    minibatch: int = 3  # b train items per reflection (paper 3)
-    max_template_chars: int = 400  # absolute length cap of a template
-    max_growth: float = 1.5  # a child may be at most this times longer than a non-empty parent
-    answer_chars: int = 300  # the model's answer is truncated to this in reflection records
-    copy_words: int = 8  # this many consecutive words of a minibatch problem = a copied span
-    max_iterations: int = 50  # safety bound besides the budget
 
 
 @dataclass
@@ -62,7 +64,8 @@ class GepaResult:
     assignment: dict  # hard prompt id -> K templates
     chosen: list  # set-cover indices into pool
     log: list = field(default_factory=list)  # one entry per proposal: parent, outcome, reason
-    metric_calls: int = 0
+    metric_calls: int = 0  # never above budget
+    budget: int = 0  # cfg.gepa_budget of the round
     reflection_calls: int = 0
     rejections: Counter = field(default_factory=Counter)
 
@@ -70,11 +73,23 @@ class GepaResult:
         return {"pool": self.pool, "parents": self.parents, "scores": self.scores,
                 "dev_ids": self.dev_ids, "train_ids": self.train_ids, "chosen": self.chosen,
                 "assignment": self.assignment, "log": self.log, "metric_calls": self.metric_calls,
-                "reflection_calls": self.reflection_calls, "rejections": dict(self.rejections),
+                "budget": self.budget, "reflection_calls": self.reflection_calls,
+                "rejections": dict(self.rejections),
                 "best_dev_score": max((sum(r) / max(1, len(r)) for r in self.scores), default=0.0)}
 
 
 # ----------------------------------------------------------------------------- selection
+
+
+def dev_cap(cfg):
+    """Most dev items the budget allows: min(gepa_dev_max, (budget - 2b) // 2), so that the seed's
+    dev evaluation (|dev|) plus one full proposal (2b + |dev|) fit in it. E.g. budget 200, b 3 -> 97."""
+    b = cfg.gepa_minibatch
+    cap = min(cfg.gepa_dev_max, (cfg.gepa_budget - 2 * b) // 2)
+    if cap < 1:
+        raise ValueError(f"GEPA budget {cfg.gepa_budget} is too small for minibatch b={b}: the seed's dev "
+                         f"evaluation plus one proposal need at least 2b + 2 = {2 * b + 2} metric calls")
+    return cap
 
 
 def split_dev_train(items, dev_max, rng):
@@ -83,6 +98,12 @@ def split_dev_train(items, dev_max, rng):
     rng.shuffle(items)
     n_dev = max(1, min(dev_max, len(items) // 2))
     return items[:n_dev], items[n_dev:]
+
+
+def accept_child(parent_minibatch_score, child_minibatch_score):
+    """GEPA's acceptance test: the child must solve STRICTLY more of the same minibatch than its
+    parent did (a tie is rejected: it would add a candidate with no evidence of being better)."""
+    return child_minibatch_score > parent_minibatch_score
 
 
 def pareto_fronts(scores):
@@ -184,6 +205,97 @@ def _normal(text):
     return " ".join(text.lower().split())
 
 
+# ---- numbers: a leak is the answer's VALUE in the template, whatever its spelling
+
+_UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"  # 19, 19.0, 1,000, .5
+_SMALL = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+          "fifteen sixteen seventeen eighteen nineteen").split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+_WORD_VALUE = {**{w: i for i, w in enumerate(_SMALL)}, **{w: 20 + 10 * i for i, w in enumerate(_TENS)}}
+# One alternation, so that re.finditer takes each number whole, leftmost and longest first: the
+# digits of \frac{1}{2} or 1/2 are not read again alone, and the lookbehinds keep a match from
+# starting inside a longer number (no 19 in 190, no 14 in 3.14). Signs are not read: values are
+# unsigned, which can only over-reject (-3 and 3 read alike) and catches "x = -3" for answer -3.
+_NUMBER = re.compile(
+    rf"\\[dt]?frac\s*\{{\s*(?P<fn>{_UNSIGNED})\s*\}}\s*\{{\s*(?P<fd>{_UNSIGNED})\s*\}}"
+    rf"|(?<![\d./])(?P<sn>\d+)/(?P<sd>\d+)(?![\d/]|\.\d)"
+    rf"|(?<![\d.])(?P<num>{_UNSIGNED})"
+    rf"|\b(?P<tens>{'|'.join(_TENS)})-(?P<unit>{'|'.join(_SMALL[1:10])})\b"
+    rf"|\b(?P<word>{'|'.join(_SMALL + _TENS)})\b", re.I)
+
+
+def _ratio(numerator, denominator):
+    """Fraction('3')/Fraction('4') from digit strings; None for a zero denominator."""
+    den = Fraction(denominator.replace(",", ""))
+    return Fraction(numerator.replace(",", "")) / den if den else None
+
+
+def _value(match):
+    g = match.groupdict()
+    if g["fn"] is not None:
+        return _ratio(g["fn"], g["fd"])
+    if g["sn"] is not None:
+        return _ratio(g["sn"], g["sd"])
+    if g["num"] is not None:
+        return Fraction(g["num"].replace(",", ""))  # Fraction parses "19.0" exactly; no eval
+    if g["tens"] is not None:
+        return Fraction(_WORD_VALUE[g["tens"].lower()] + _WORD_VALUE[g["unit"].lower()])
+    return Fraction(_WORD_VALUE[g["word"].lower()])
+
+
+def numbers_in(text):
+    """Exact unsigned values of the number-like tokens in text, e.g.
+    "Add 1,000 to 19.0, halve (\\frac{1}{2}) seven times; 3.14 and 190" -> {1000, 19, 1/2, 7, 157/50, 190}."""
+    return {v for m in _NUMBER.finditer(text) if (v := _value(m)) is not None}
+
+
+def number_value(answer):
+    """The unsigned value of an answer that is exactly one number ('19', '-3', '1,000', '0.5',
+    '\\frac{1}{2}', '$7$'), else None ('x^2+1', '\\sqrt{2}', '3, 4')."""
+    m = _NUMBER.fullmatch(answer.strip().strip("$").strip().lstrip("+-−").strip())
+    return _value(m) if m else None
+
+
+def leaks_answer(template, answer):
+    """True iff the template states the answer: a numeric answer by value (any token of
+    numbers_in equal to it); any other by its text, ignoring whitespace and case, not as part of
+    a longer word or number ("x^2+1" is in "use x^2 + 1." but not in "x^2+10")."""
+    value = number_value(answer)
+    if value is not None:
+        return value in numbers_in(template)
+    chars = "".join(answer.split())
+    if not chars:
+        return False
+    pattern = r"\s*".join(map(re.escape, chars))
+    if re.match(r"\w", chars[0]):
+        pattern = r"(?<!\w)" + pattern
+    if re.match(r"\w", chars[-1]):
+        pattern += r"(?!\w|\.\d)"  # a sentence's full stop may follow, a decimal part may not
+    return re.search(pattern, template, re.I) is not None
+
+
+# ---- problem copies
+
+_EDGE = string.punctuation + "“”‘’…"
+
+
+def _words(text):
+    """'What is 7 + 4 × 3?' -> ['what', 'is', '7', '+', '4', '×', '3']: lower-cased, punctuation
+    stripped at word edges (a word that is only punctuation, like '+', stays as it is)."""
+    return [w.strip(_EDGE) or w for w in text.lower().split()]
+
+
+def copies_problem(template, problem, copy_words):
+    """True iff the template holds n = min(copy_words, words in the problem) consecutive words of
+    the problem, whole words compared: a problem shorter than copy_words is a copy only whole."""
+    pw, tw = _words(problem), _words(template)
+    n = min(copy_words, len(pw))
+    if n == 0:
+        return False
+    spans = {tuple(pw[i:i + n]) for i in range(len(pw) - n + 1)}
+    return any(tuple(tw[i:i + n]) in spans for i in range(len(tw) - n + 1))
+
+
 _FORMAT_CONFLICT = re.compile(r"(do not|don't|never|without|instead of|avoid)\W+(\w+\W+){0,3}\\?boxed", re.I)
 _SPECIAL = re.compile(r"<\|[^|>]*\|>|<s>|</s>|<bos>|<eos>|\[INST\]")
 
@@ -199,7 +311,7 @@ def guard(text, finished, parent, pool, minibatch, cfg):
     tpl = text[start + len(DELIM_OPEN):end].strip()
     if not tpl:
         return None, "empty"
-    if len(tpl) > cfg.max_template_chars or (parent and len(tpl) > cfg.max_growth * len(parent)):
+    if len(tpl) > cfg.max_template_chars or (parent and len(tpl) > cfg.template_max_growth * len(parent)):
         return None, "too_long"
     words = tpl.lower().split()
     grams = Counter(tuple(words[i:i + 3]) for i in range(len(words) - 2))
@@ -212,13 +324,10 @@ def guard(text, finished, parent, pool, minibatch, cfg):
     if _FORMAT_CONFLICT.search(tpl):
         return None, "format_conflict"
     for item in minibatch:
-        if re.search(r"(?<![\w.])" + re.escape(item.answer.strip()) + r"(?![\w.])", tpl):
+        if leaks_answer(tpl, item.answer):
             return None, "answer_leak"
-        pw = item.problem.lower().split()
-        text_words = " ".join(words)
-        for i in range(len(pw) - cfg.copy_words + 1):
-            if " ".join(pw[i:i + cfg.copy_words]) in text_words:
-                return None, "problem_copy"
+        if copies_problem(tpl, item.problem, cfg.guard_copy_words):
+            return None, "problem_copy"
     return tpl, "ok"
 
 
@@ -230,11 +339,12 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
     """Evolve templates for the hard items; return the pool, scores, lineage and assignment.
     reward_fn(response, item) -> 0/1 scores an answer (default: verify.check against item.answer)."""
     reward_fn = reward_fn or (lambda response, item: check(response, item.answer).reward)
-    dev, train = split_dev_train(hard, cfg.dev_max, rng)
+    b = cfg.gepa_minibatch
+    dev, train = split_dev_train(hard, dev_cap(cfg), rng)
     train = train or dev  # a tiny hard set: reflect on dev items too (then they are not held out)
     res = GepaResult(pool=[""], parents=[-1], scores=[], dev_ids=[d.id for d in dev],
                      train_ids=[t.id for t in train if t.id not in {d.id for d in dev}],
-                     assignment={}, chosen=[])
+                     assignment={}, chosen=[], budget=cfg.gepa_budget)
 
     def score(template, items, kind):
         responses = answer_fn([(template, it) for it in items], kind)
@@ -243,18 +353,22 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
 
     res.scores.append([int(s) for s in score("", dev, "gepa_dev")[0]])
     order, cursor = list(range(len(train))), len(train)
-    for iteration in range(cfg.max_iterations):
-        if res.metric_calls >= cfg.budget:
+    reservation = 2 * b + len(dev)  # the most one proposal can spend: parent, child, child on dev
+    for iteration in range(cfg.gepa_max_iterations):
+        # Parents one by one while the next reservation fits the unreserved budget; a parent
+        # never spends more than its reservation, so metric_calls <= gepa_budget holds throughout.
+        n_parents = min(cfg.gepa_parents, (cfg.gepa_budget - res.metric_calls) // reservation)
+        if n_parents < 1:
             break
-        parents = select_parents(res.scores, cfg.parents_per_iter, rng)
+        parents = select_parents(res.scores, n_parents, rng)
         # ---- answer each parent's minibatch under the parent
         batches = []
         for p in parents:
-            if cursor + cfg.minibatch > len(order):
+            if cursor + b > len(order):
                 rng.shuffle(order)
                 cursor = 0
-            batches.append([train[i] for i in order[cursor:cursor + cfg.minibatch]])
-            cursor += cfg.minibatch
+            batches.append([train[i] for i in order[cursor:cursor + b]])
+            cursor += b
         parent_scores, prompts, live = [], [], []
         for p, mb in zip(parents, batches):
             s, responses = score(res.pool[p], mb, "gepa_minibatch")
@@ -262,7 +376,7 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
             if sum(s) == len(mb):
                 res.log.append({"iteration": iteration, "parent": p, "outcome": "skipped_all_correct"})
                 continue
-            records = [reflection_record(it, r, cfg.answer_chars) for it, r in zip(mb, responses)]
+            records = [reflection_record(it, r, cfg.reflect_answer_chars) for it, r in zip(mb, responses)]
             prompts.append(meta_prompt(res.pool[p], records))
             live.append(len(parent_scores) - 1)
         # ---- reflect (one batched call), guard, test on the same minibatch
@@ -277,7 +391,7 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
                 res.log.append({**entry, "outcome": "rejected", "reason": reason})
                 continue
             child_score = sum(score(child, mb, "gepa_minibatch")[0])
-            if child_score <= parent_scores[idx]:
+            if not accept_child(parent_scores[idx], child_score):
                 res.rejections["not_better"] += 1
                 res.log.append({**entry, "outcome": "rejected", "reason": "not_better", "template": child,
                                 "minibatch": [parent_scores[idx], child_score]})

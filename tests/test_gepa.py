@@ -1,12 +1,17 @@
+"""GEPA (gepa.py): Pareto selection, set cover, assignment, the guards, the budget cap and a scripted round."""
+import itertools
 import random
 from collections import Counter
+from fractions import Fraction
 
 import pytest
 
-from gepa import (GepaConfig, HardItem, assign_templates, greedy_set_cover, guard, pareto_fronts,
-                  prune_dominated, run_gepa, select_parents, split_dev_train)
+import train
+from gepa import (HardItem, accept_child, assign_templates, copies_problem, dev_cap, greedy_set_cover, guard,
+                  number_value, numbers_in, pareto_fronts, prune_dominated, reflection_record, run_gepa,
+                  select_parents, split_dev_train)
 
-CFG = GepaConfig()
+CFG = train.Config()
 
 
 def test_pareto_fronts_keep_ties_and_skip_unsolved_items():
@@ -97,6 +102,91 @@ def test_guard_accepts_a_good_template():
     assert guard("<template>Use 190 steps.</template>", True, "", [""], MB, CFG)[1] == "ok"  # 19 inside 190 is no leak
 
 
+@pytest.mark.parametrize("text, values", [
+    ("The answer is 19.", {19}),  # a full stop is not a decimal point
+    ("19.0 and 2.50", {19, Fraction(5, 2)}),
+    ("1,000 or 2,500,000 grams", {1000, 2500000}),
+    ("1/2 and 6/4", {Fraction(1, 2), Fraction(3, 2)}),
+    ("\\frac{3}{4}, \\dfrac{1}{2} and \\tfrac{ 5 }{ 10 }", {Fraction(3, 4), Fraction(1, 2)}),
+    ("0.5 and .25", {Fraction(1, 2), Fraction(1, 4)}),
+    ("Nineteen, seven, zero, twenty-one, ninety", {19, 7, 0, 21, 90}),
+    ("190 and 3.14", {190, Fraction(314, 100)}),  # neither 19 nor 3 nor 14
+    ("1,2,3 and x-4", {1, 2, 3, 4}),  # commas not in groups of three; signs are not read
+    ("someone often tenth seventh", set()),  # number words only as whole words
+    ("Multiply before you add.", set()),
+])
+def test_numbers_in_reads_values_not_spellings(text, values):
+    assert numbers_in(text) == values
+
+
+@pytest.mark.parametrize("answer, value", [
+    ("19", 19), (" -3 ", 3), ("1,000", 1000), ("0.5", Fraction(1, 2)), ("\\frac{1}{2}", Fraction(1, 2)),
+    ("$7$", 7), ("seven", 7), ("x^2+1", None), ("\\sqrt{2}", None), ("3, 4", None), ("2\\sqrt{3}", None),
+])
+def test_number_value_of_an_answer(answer, value):
+    assert number_value(answer) == value
+
+
+def one_item(answer):
+    return [HardItem("q", "Find the value.", answer)]
+
+
+@pytest.mark.parametrize("template, answer", [
+    ("The answer is 19.", "19"),  # was passed: the old lookahead refused a following full stop
+    ("Aim for 19.0 exactly.", "19"),
+    ("Expect about 1,000 grams.", "1000"),
+    ("Note 1000 and move on.", "1,000"),
+    ("Halving gives 1/2 often.", "\\frac{1}{2}"),
+    ("Expect 0.5 here.", "\\frac{1}{2}"),
+    ("Expect \\dfrac{1}{2} here.", "0.5"),
+    ("Count up to nineteen first.", "19"),
+    ("Seven is a lucky guess.", "7"),
+    ("Think of twenty-one cards.", "21"),
+    ("Try x^2 + 1 first.", "x^2+1"),
+    ("Try \\sqrt {2} first.", "\\sqrt{2}"),
+])
+def test_guard_rejects_every_spelling_of_the_answer(template, answer):
+    out = guard(f"<template>{template}</template>", True, "", [""], one_item(answer), CFG)
+    assert out == (None, "answer_leak")
+
+
+@pytest.mark.parametrize("template, answer", [
+    ("Use 190 steps.", "19"),
+    ("Keep 3.14 in mind.", "3"),
+    ("Keep 3.14 in mind.", "14"),
+    ("Add 1/20 of it.", "\\frac{1}{2}"),
+    ("Try x^2+10 first.", "x^2+1"),
+    ("Be someone who checks often.", "1"),
+])
+def test_guard_passes_a_number_that_only_contains_the_answer(template, answer):
+    assert guard(f"<template>{template}</template>", True, "", [""], one_item(answer), CFG) == (template, "ok")
+
+
+@pytest.mark.parametrize("answer", ["19", "\\frac{1}{2}", "x^2+1"])
+def test_a_template_echoing_the_reflection_record_is_rejected(answer):
+    item = HardItem("q", "Find the value.", answer)
+    record = reflection_record(item, "I think it is 33.", CFG.reflect_answer_chars)
+    assert record.endswith(f"the correct answer is {answer}.")  # the reflector is told the answer, on purpose
+    echo = record[record.index("the correct answer is"):]
+    assert guard(f"<template>Remember: {echo}</template>", True, "", [""], [item], CFG) == (None, "answer_leak")
+
+
+def test_copies_problem_whole_words_and_short_problems():
+    short = "What is 7 + 4 × 3?"  # 7 words, fewer than guard_copy_words = 8
+    assert copies_problem("Solve what is 7 + 4 × 3 carefully.", short, 8)  # '3?' matches '3'
+    assert not copies_problem("Ask what is 7 + 4 first.", short, 8)  # 5 of its 7 words
+    assert not copies_problem("somewhat is 7 + 4 × 3", short, 8)  # 'what' only inside a longer word
+    long = MB[0].problem  # 15 words: 8 consecutive ones are a copy
+    assert copies_problem("So tom has 3 apples and buys 4 bags!", long, 8)
+    assert not copies_problem("So tom has 3 apples and buys 4", long, 8)
+
+
+def test_guard_rejects_a_copied_short_problem():
+    assert guard("<template>First ask: what is 7 + 4 × 3? Then multiply.</template>", True, "", [""], MB,
+                 CFG) == (None, "problem_copy")
+    assert guard("<template>Ask what is 7 + 4 first.</template>", True, "", [""], MB, CFG)[1] == "ok"
+
+
 def make_hard(n):
     return [HardItem(f"h{i}", f"What is {i % 9 + 1} + {i % 7 + 2} × {i % 5 + 2}?",
                      str(i % 9 + 1 + (i % 7 + 2) * (i % 5 + 2))) for i in range(n)]
@@ -119,12 +209,10 @@ def test_run_gepa_end_to_end_with_scripted_models():
 
     def reflect(prompts):
         calls.append(len(prompts))
-        assert all("the correct answer is" in p and "<template>" in p for p in prompts)
-        return [("<template>Multiply first, then add.</template>", True)] + \
-               [("no delimiter here", True)] * (len(prompts) - 1)
+        return scripted_reflect(prompts)
 
     hard = make_hard(12)
-    cfg = GepaConfig(budget=60, parents_per_iter=2, minibatch=3)
+    cfg = train.Config(gepa_budget=60, gepa_parents=2, gepa_minibatch=3)
     res = run_gepa(hard, scripted_answer, reflect, cfg, random.Random(0), k=4)
     assert res.pool[0] == "" and "Multiply first, then add." in res.pool
     child = res.pool.index("Multiply first, then add.")
@@ -139,9 +227,88 @@ def test_run_gepa_end_to_end_with_scripted_models():
     tested = sum(e.get("reason") == "not_better" for e in res.log) + accepted
     parents_answered = sum(1 for e in res.log) - 0  # every proposal or skip came from one parent minibatch
     assert res.metric_calls == 6 + 3 * parents_answered + 3 * tested + 6 * accepted
-    assert res.metric_calls >= cfg.budget or len(calls) == cfg.max_iterations
+    # the budget was used up to less than one more proposal's reservation (2b + |dev| = 12)
+    assert res.metric_calls <= cfg.gepa_budget < res.metric_calls + 2 * 3 + 6
     js = res.to_json()
     assert js["best_dev_score"] == 1.0 and js["rejections"]["no_delimiter"] >= 1
+    assert js["budget"] == 60 and js["metric_calls"] == res.metric_calls
+
+
+def scripted_reflect(prompts):
+    """One helpful proposal per call; the others have no delimiter."""
+    assert all("the correct answer is" in p and "<template>" in p for p in prompts)
+    return [("<template>Multiply first, then add.</template>", True)] + \
+           [("no delimiter here", True)] * (len(prompts) - 1)
+
+
+def varied_reflect():
+    """A reflector whose proposals are all new: two helpful ('multiply first') to one unhelpful, so
+    several children can be accepted in one iteration (each then scored on dev) and some are not better."""
+    counter = itertools.count()
+
+    def reflect(prompts):
+        out = []
+        for _ in prompts:
+            i = next(counter)
+            tag = chr(97 + i % 26) + chr(97 + i // 26 % 26)
+            out.append((f"<template>{'Add' if i % 3 == 2 else 'Multiply'} first, tag {tag}.</template>", True))
+        return out
+    return reflect
+
+
+def test_dev_cap():
+    assert dev_cap(train.Config(gepa_budget=200, gepa_minibatch=3, gepa_dev_max=300)) == 97  # (200 - 6) // 2
+    assert dev_cap(train.Config(gepa_budget=30, gepa_minibatch=3)) == 12
+    assert dev_cap(train.Config(gepa_budget=200, gepa_minibatch=3, gepa_dev_max=5)) == 5
+    assert dev_cap(train.Config(gepa_budget=8, gepa_minibatch=3)) == 1  # seed 1 + one proposal 3 + 3 + 1
+    with pytest.raises(ValueError, match="budget 7 .* b=3"):
+        dev_cap(train.Config(gepa_budget=7, gepa_minibatch=3))
+
+
+def test_accept_child_needs_a_strictly_higher_minibatch_score():
+    assert accept_child(1, 2)
+    assert not accept_child(2, 2)  # a tie is rejected
+    assert not accept_child(2, 1)
+
+
+def test_budget_is_a_hard_cap():
+    b = 3
+    for budget in range(20, 81):
+        runs = [(0, scripted_reflect, 12), (1, varied_reflect(), 40), (2, varied_reflect(), 12)]
+        for seed, reflect, n_hard in runs:
+            cfg = train.Config(gepa_budget=budget, gepa_parents=4, gepa_minibatch=b)
+            res = run_gepa(make_hard(n_hard), scripted_answer, reflect, cfg, random.Random(seed))
+            n_dev = len(res.dev_ids)
+            assert n_dev == min(n_hard // 2, (budget - 2 * b) // 2)
+            assert res.metric_calls <= budget, (budget, seed, res.metric_calls)
+            # the round ends only when the next proposal's reservation no longer fits
+            assert budget - res.metric_calls < 2 * b + n_dev, (budget, seed, res.metric_calls)
+            outcomes = Counter(e.get("reason", e["outcome"]) for e in res.log)
+            spent = n_dev + b * len(res.log) + b * (outcomes["not_better"] + outcomes["accepted"]) \
+                + n_dev * outcomes["accepted"]
+            assert res.metric_calls == spent and res.to_json()["budget"] == budget
+
+
+def test_budget_30_round_stays_within_30():
+    cfg = train.Config(gepa_budget=30, gepa_parents=4, gepa_minibatch=3)
+    res = run_gepa(make_hard(12), scripted_answer, scripted_reflect, cfg, random.Random(0))
+    assert res.metric_calls <= 30 and res.reflection_calls >= 1
+
+
+def test_a_large_hard_set_caps_dev_and_still_proposes():
+    cfg = train.Config(gepa_budget=200, gepa_minibatch=3, gepa_dev_max=300)
+    hard = make_hard(500)
+    res = run_gepa(hard, scripted_answer, scripted_reflect, cfg, random.Random(0))
+    assert len(res.dev_ids) == 97  # not 250: the seed (97) plus one proposal (3 + 3 + 97) is 200
+    assert res.metric_calls <= 200 and res.reflection_calls >= 1
+    assert any(e["outcome"] == "accepted" for e in res.log)
+    assert set(res.assignment) == {h.id for h in hard}
+
+
+def test_a_budget_too_small_for_one_proposal_raises():
+    with pytest.raises(ValueError, match="budget 7"):
+        run_gepa(make_hard(12), scripted_answer, scripted_reflect, train.Config(gepa_budget=7, gepa_minibatch=3),
+                 random.Random(0))
 
 
 def test_one_gepa_round_with_the_real_default_model(vllm_engine, hf_model, model_path):
@@ -163,7 +330,7 @@ def test_one_gepa_round_with_the_real_default_model(vllm_engine, hf_model, model
                               lambda text, problem: reward(text, problem.answer))
     assert result.pool[0] == "" and len(result.scores) == len(result.pool)
     assert len(result.dev_ids) == 3 and len(result.train_ids) == 3
-    assert result.metric_calls >= cfg.gepa_budget and result.reflection_calls > 0
+    assert result.metric_calls <= cfg.gepa_budget and result.reflection_calls > 0
     assert counts["gepa_dev_rollouts"] + counts["gepa_minibatch_rollouts"] == result.metric_calls
     assert counts["reflection_calls"] == result.reflection_calls and counts["reflection_tokens"] > 0
     allowed = {"truncated", "no_delimiter", "empty", "too_long", "repetition", "duplicate", "special_tokens",
