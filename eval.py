@@ -88,15 +88,15 @@ def summarize(greedy, sampled, k):
     return row
 
 
-def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True):
-    """Greedy answers, plus k samples at `temperature` when k > 0.
+def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None):
+    """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given).
     Returns (overall row, {source: row}, records); records hold greedy then sampled responses."""
     messages = [problem_messages(p) for p in problems]
     greedy = score_groups(problems, messages, engine.generate(
         messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     sampled = score_groups(problems, messages, engine.generate(
         messages, n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-        progress=progress)) if k else [None] * len(problems)
+        progress=progress, seed=seed)) if k else [None] * len(problems)
     by_source = defaultdict(lambda: ([], []))
     for g, s in zip(greedy, sampled):
         by_source[g["source"] or "-"][0].append(g)
@@ -154,7 +154,7 @@ def main(argv=None):
         k = default_k(len(problems)) if args.k is None else args.k
         print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else ""))
         overall, by_source, records = evaluate(engine, problems, k, args.temperature, args.top_p,
-                                               args.max_tokens)
+                                               args.max_tokens, seed=args.seed)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
         all_records[name] = records
         table[name] = overall

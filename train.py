@@ -14,14 +14,22 @@
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
 
 Every setting lives in `Config` below; `--key=value` overrides it (types are checked, unknown
-keys are an error). One step: sample B prompts -> K rollouts each (vLLM; a prompt that was hard
-last epoch gets one GEPA template per rollout) -> verify -> mine hard prompts -> group advantages
--> rebuild templated rows under the original prompt (context distillation) and weight their
-tokens with the Context Ratio Mask -> PPO-clip loss over the whole step in micro-batches -> AdamW
--> push the weights into the engine (verified) -> log. At an epoch's end GEPA evolves templates
-for that epoch's hard prompts (gepa.py) and assigns K of them to each. Epoch 0 is plain GRPO. Outputs go to out_dir/run_name: TensorBoard events
-(tb/), metrics.jsonl (one line per step), rollouts.jsonl (a sample of groups), checkpoints
-(ckpt-NNNNNN/ with an HF model folder that eval.py and vLLM load unchanged, and `latest`),
+keys are an error). The method, its formulas and our defaults are in docs/METHOD.md. One step:
+
+    collect_groups   B prompts -> K rollouts each (vLLM; a prompt that was hard last epoch gets
+                     one GEPA template per rollout) -> rewards -> hard-prompt mining (-> DAPO refill)
+    training_rows    group advantages; templated rollouts re-built under the original prompt
+                     (context distillation)
+    policy_update    old / reference / CRM log-probs, PPO-clip loss over the whole step in
+                     micro-batches, AdamW
+    push_weights     the new weights into the rollout engine (verified)
+    log_step         TensorBoard, metrics.jsonl, rollouts.jsonl
+and at an epoch's end `end_of_epoch`: GEPA evolves templates for that epoch's hard prompts
+(gepa.py) and assigns K of them to each. Epoch 0 is plain GRPO.
+
+Outputs go to out_dir/run_name: tb/ (TensorBoard), metrics.jsonl (one line per step),
+rollouts.jsonl (a sample of groups), dev.jsonl, checkpoints (ckpt-NNNNNN/ = an HF model folder
+that eval.py and vLLM load unchanged, plus trainer.pt; `latest` names the newest),
 gepa-epoch-N.json (templates, lineage, dev score matrix, acceptance log, assignment), curves.png.
 
 Simplifications, on purpose: one process, one device; the reference model exists only when
@@ -30,22 +38,35 @@ gradient is exactly zero) but their tokens still count in the token-mean denomin
 the reference implementation; policy entropy is measured on the rows that were forwarded.
 """
 
+import copy
 import dataclasses
 import json
 import math
 import os
 import random
 import resource
+import shutil
 import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
 
+import distill
+import gepa
 import grpo
+from data import load_jsonl
+from eval import evaluate
+from model import atomic_directory, resolve_model
+from plot import plot_run
+from prompts import problem_messages
+from rollout import HFRollout, encode_prompt, make_rollout
+from verify import reward as verify_reward
 
 
 @dataclass
@@ -56,6 +77,8 @@ class Config:
     dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
     backend: str = "vllm"  # rollout engine: vllm | hf
     engine_dtype: str = "bfloat16"  # dtype of the rollout engine's weights
+    max_model_len: int = 2048  # vLLM context length (prompt + response tokens)
+    kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
     algo: str = "p2o"  # p2o | grpo
     # ---- rollouts
     prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
@@ -76,8 +99,8 @@ class Config:
     # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
     tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
     gepa_min_hard: int = 20  # GEPA runs at an epoch's end only with this many hard prompts (paper 100 on 5K)
-    gepa_budget: int = 200  # metric calls per GEPA round (one = one (template, problem) answer)
-    gepa_dev_max: int = 300  # hard prompts used as GEPA dev items, at most (paper 300)
+    gepa_budget: int = 200  # metric calls per GEPA round, a hard cap (one = one (template, problem) answer)
+    gepa_dev_max: int = 300  # hard prompts used as GEPA dev items, at most (paper 300; also capped by the budget)
     gepa_parents: int = 4  # W: parents per GEPA iteration (paper 16)
     gepa_minibatch: int = 3  # b: train items per reflection (paper 3)
     gepa_max_iterations: int = 50  # safety bound on GEPA iterations besides the budget
@@ -94,11 +117,14 @@ class Config:
     crm: bool = True  # Context Ratio Mask on templated rows (False: ablation)
     crm_low: float = 0.01  # tokens with c_t < crm_low are masked
     crm_high: float = 10.0  # tokens with c_t > crm_high are masked
-    crm_soft: bool = False  # scale out-of-band tokens by bound / c_t instead of zeroing them
-    crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept
+    crm_soft: bool = False  # scale out-of-band tokens by high/c_t (above) or c_t/low (below) instead of zeroing
+    crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
     # ---- optimisation
     lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
     warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
+    adam_beta1: float = 0.9  # AdamW betas (torch defaults; verl uses the same)
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
@@ -110,11 +136,11 @@ class Config:
     max_steps: int = 0  # > 0: stop after this many steps instead
     eval_every: int = 5  # dev evaluation every N steps (and before and after training)
     eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
-    save_every: int = 10  # checkpoint every N steps (and at the end)
+    save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
     log_rollouts: int = 4  # groups per step written to rollouts.jsonl
-    seed: int = 0
+    seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
     out_dir: str = "runs"
-    run_name: str = ""  # default: grpo-<date>-<time>
+    run_name: str = ""  # default: <algo>-<date>-<time>
     resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
 
 
@@ -141,33 +167,94 @@ def parse_overrides(cfg, argv):
     return cfg
 
 
-# ----------------------------------------------------------------------------- data stream
+def check_config(cfg):
+    if cfg.algo not in ("p2o", "grpo"):
+        raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
+    if cfg.crm_denominator not in ("all", "kept") or (cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean"):
+        raise SystemExit("--crm_denominator is all | kept, and kept needs --loss_agg=token-mean")
+
+
+# ----------------------------------------------------------------------------- state and records
+
+
+def fields_of(obj):
+    """A dataclass's fields as a dict, values as they are (dataclasses.asdict would rebuild the
+    Counter from its items, which counts (key, value) pairs)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 class PromptStream:
-    """Prompts in a fresh seeded order every epoch, as one endless stream. Its whole state is
-    `consumed` (prompts handed out so far), which makes resuming exact."""
+    """Prompts in a fresh seeded order every epoch, as one endless stream addressed by position
+    (prompts handed out so far): `take(position, n)` is a pure function of it, so the loop
+    state holds the only copy of the position and resuming is exact."""
 
-    def __init__(self, problems, seed, consumed=0):
-        self.problems, self.seed, self.consumed = problems, seed, consumed
+    def __init__(self, problems, seed):
+        self.problems, self.seed = problems, seed
         self._order = {}
 
     def epoch_of(self, position):
         return position // len(self.problems)
 
-    def take(self, n):
+    def take(self, position, n):
         out = []
-        for _ in range(n):
-            epoch, i = divmod(self.consumed, len(self.problems))
+        for p in range(position, position + n):
+            epoch, i = divmod(p, len(self.problems))
             if epoch not in self._order:
                 self._order = {epoch: random.Random(self.seed * 7919 + epoch).sample(
                     range(len(self.problems)), len(self.problems))}
             out.append(self.problems[self._order[epoch][i]])
-            self.consumed += 1
         return out
 
 
+@dataclass
+class LoopState:
+    """Everything the loop carries from one step to the next. Saved whole in every checkpoint
+    (`fields_of`) and restored with `LoopState(**saved)`: a new field is one edit."""
+    step: int = 0
+    consumed: int = 0  # position in the PromptStream: prompts handed out so far
+    epoch: int = 0  # the epoch whose hard prompts are being collected
+    bad_steps: int = 0  # consecutive non-finite steps
+    skipped_steps: int = 0
+    hard_now: dict = field(default_factory=dict)  # id -> None: this epoch's hard prompts, in order found
+    assignment: dict = field(default_factory=dict)  # id -> K templates, from the last GEPA round
+    counts: Counter = field(default_factory=Counter)  # rollouts / tokens / reflection calls by category
+    gepa_history: list = field(default_factory=list)  # one summary per epoch end
+
+
+@dataclass
+class Group:
+    problem: object  # data.Problem
+    samples: list  # K rollout.Sample
+    templates: list  # K templates ('' = none)
+    rewards: list  # K floats
+
+
+@dataclass
+class Row:
+    """One training row: a response and the prompt it is trained under."""
+    prompt_ids: list  # x (or x~ in the no-distillation ablation)
+    response_ids: list  # the sampled tokens, with the EOS that ended a finished answer
+    advantage: float
+    tilde_prompt_ids: list | None = None  # x~ of a distilled templated row: its CRM weights are needed
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded rows and everything the loss needs from the pre-update weights."""
+    input_ids: torch.Tensor  # [B, L] prompt + response
+    attention: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L-1] bool: position t predicts a response token
+    advantages: torch.Tensor  # [B]
+    old_logp: torch.Tensor | None = None  # [B, L-1] (ppo_epochs > 1; else the training forward's own)
+    ref_logp: torch.Tensor | None = None  # [B, L-1] frozen reference (kl_beta > 0)
+    crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (rows with templates)
+
+
 # ----------------------------------------------------------------------------- model helpers
+
+
+def autocast(cfg):
+    return torch.autocast("cpu", torch.bfloat16, enabled=cfg.autocast_bf16)
 
 
 def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False):
@@ -186,65 +273,20 @@ def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_
     return logp, ent
 
 
-def save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, state, cfg):
-    """ckpt-NNNNNN/ (HF model folder + trainer.pt), written atomically; then `latest` -> it."""
-    from model import atomic_directory
-
-    name = f"ckpt-{step:06d}"
-    path = os.path.join(run_dir, name)
-    if os.path.isdir(path):
-        return path
-    with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        torch.save({
-            "config": dataclasses.asdict(cfg), "step": step, "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), **state,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state()},
-        }, os.path.join(tmp, "trainer.pt"))
-    with open(os.path.join(run_dir, "latest.tmp"), "w") as f:
-        f.write(name + "\n")
-    os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
-    return path
+def row_logprobs(model, prompts, responses, pad_id, temperature):
+    """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in)."""
+    ids, attention, response_mask = grpo.make_batch(prompts, responses, pad_id)
+    mask = response_mask[:, 1:]  # [B, L-1]
+    logp, _ = response_logprobs(model, ids, attention, mask, temperature)
+    return [row[m] for row, m in zip(logp, mask)]
 
 
-def load_trainer_state(path):
-    """trainer.pt of a checkpoint folder, or a clear error naming the file."""
-    file = os.path.join(path, "trainer.pt")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise SystemExit(f"{file}: not a checkpoint (no trainer.pt)") from None
-    except Exception as e:  # noqa: BLE001 - any unreadable file is reported, not a traceback
-        raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
-
-
-def resolve_resume(cfg):
-    if cfg.resume != "auto":
-        return cfg.resume
-    latest = os.path.join(cfg.out_dir, cfg.run_name, "latest")
-    if not os.path.isfile(latest):
-        raise SystemExit(f"--resume=auto: {latest} does not exist")
-    return os.path.join(cfg.out_dir, cfg.run_name, open(latest).read().strip())
-
-
-# ----------------------------------------------------------------------------- one step's pieces
-
-
-@dataclass
-class Group:
-    problem: object  # data.Problem
-    samples: list  # K rollout.Sample
-    templates: list  # K templates ('' = none)
-    rewards: list  # K floats
+# ----------------------------------------------------------------------------- one step
 
 
 def generate_groups(engine, problems, assignment, cfg, seed):
     """K rollouts per problem. A problem with assigned templates gets one per rollout (requests
     with the same template are merged into one request with n > 1)."""
-    from prompts import problem_messages
-
     requests = []  # (problem index, template, count)
     for i, p in enumerate(problems):
         templates = assignment.get(p.id) or [""] * cfg.group_size
@@ -260,17 +302,329 @@ def generate_groups(engine, problems, assignment, cfg, seed):
     return groups
 
 
-def response_slices(mask):
-    """Row-major offsets of each row's response tokens in logp[mask]: mask [B, T] -> [B + 1]."""
-    return [0] + torch.cumsum(mask.sum(1), 0).tolist()
+def collect_groups(engine, stream, state, cfg, reward_fn):
+    """This step's groups: generate, score, mine hard prompts (judged on the rollouts they
+    actually got, templated ones included); DAPO refills while groups carry no signal.
+    Returns (groups, {"refills", "generate", "score"}); advances state.consumed."""
+    groups, info, need = [], {"refills": 0, "generate": 0.0, "score": 0.0}, cfg.prompts_per_step
+    while True:
+        problems = stream.take(state.consumed, need)
+        state.consumed += need
+        t = time.perf_counter()
+        seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000  # per step: exact resume
+        new = generate_groups(engine, problems, state.assignment, cfg, seed)
+        info["generate"] += time.perf_counter() - t
+        state.counts["train_rollouts"] += sum(len(g.samples) for g in new)
+        state.counts["train_tokens"] += sum(len(s.response_ids) for g in new for s in g.samples)
+        t = time.perf_counter()
+        for g in new:
+            g.rewards = [reward_fn(s.text, g.problem) for s in g.samples]
+            if cfg.algo == "p2o" and sum(g.rewards) < cfg.tau:
+                state.hard_now[g.problem.id] = None
+        info["score"] += time.perf_counter() - t
+        if not cfg.dynamic_sampling:
+            return new, info
+        groups += [g for g in new if len(set(g.rewards)) > 1][:need]  # DAPO: keep varied groups
+        need = cfg.prompts_per_step - len(groups)
+        if need <= 0 or info["refills"] >= cfg.max_refills:
+            return groups or new, info  # nothing varied at all: an update of zero
+        info["refills"] += 1
+
+
+def training_rows(groups, cfg, tokenizer):
+    """Rows of every rollout: advantages normalised inside each group (templated or not); a
+    templated rollout is trained under the ORIGINAL prompt x with its response ids unchanged
+    (context distillation) and keeps x~ for its CRM weights."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
+    adv = grpo.group_advantages(rewards, cfg.adv_norm)  # [G, K]
+    rows = []
+    for g, group_adv in zip(groups, adv.tolist()):
+        distilled = any(g.templates) and cfg.context_distill
+        plain_ids = encode_prompt(tokenizer, problem_messages(g.problem)) if distilled else None
+        for s, t, a in zip(g.samples, g.templates, group_adv):
+            if t and distilled:
+                prompt_ids, response_ids = distill.distill_row(plain_ids, s)
+                rows.append(Row(prompt_ids, response_ids, a, s.prompt_ids if cfg.crm else None))
+            else:  # plain rows, and (ablation) templated rows trained under x~
+                rows.append(Row(s.prompt_ids, s.response_ids, a))
+    return rows
+
+
+def micro_batches(rows, policy, reference, cfg, pad_id):
+    """Rows -> right-padded micro-batches carrying what the loss needs from the pre-update
+    weights: old log-probs (ppo_epochs > 1), reference log-probs (kl_beta > 0) and CRM weights
+    (from the old log-probs of the same response tokens under x and x~). Returns (batches, CrmSums)."""
+    rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))  # less padding
+    batches, crm = [], distill.CrmSums()
+    with torch.no_grad(), autocast(cfg):
+        for i in range(0, len(rows), cfg.micro_batch_size):
+            chunk = rows[i:i + cfg.micro_batch_size]
+            ids, attention, response_mask = grpo.make_batch(
+                [r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad_id)
+            b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk]))
+            if cfg.ppo_epochs > 1:
+                b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature)[0]
+            if reference is not None:
+                b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature)[0]
+            templated = [j for j, r in enumerate(chunk) if r.tilde_prompt_ids is not None]
+            if templated:  # one pass: the templated rows under x, then under x~
+                prompts = [chunk[j].prompt_ids for j in templated] + [chunk[j].tilde_prompt_ids for j in templated]
+                both = row_logprobs(policy, prompts, [chunk[j].response_ids for j in templated] * 2, pad_id,
+                                    cfg.temperature)
+                plain, tilde = [None] * len(chunk), [None] * len(chunk)
+                for q, j in enumerate(templated):
+                    plain[j], tilde[j] = both[q], both[len(templated) + q]
+                b.crm_weight, sums = distill.crm_token_weights(b.loss_mask, plain, tilde, cfg.crm_low,
+                                                               cfg.crm_high, cfg.crm_soft)
+                crm += sums
+            batches.append(b)
+    return batches, crm
+
+
+def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, with_entropy):
+    """This micro-batch's share of the step loss (summing over micro-batches gives the step
+    loss), and sums for the logs. The CRM weight multiplies the policy-gradient term only; the
+    KL term counts every response token."""
+    with autocast(cfg):
+        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy)
+    old_logp = logp.detach() if b.old_logp is None else b.old_logp  # ppo_epochs == 1: rho == 1
+    pg, clipped = grpo.ppo_clip_token_loss(logp, old_logp, b.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    mask = b.loss_mask.float()  # [B, L-1]
+    loss = grpo.aggregate(pg, mask, cfg.loss_agg, pg_denominator, step_rows, cfg.max_tokens, b.crm_weight)
+    sums = Counter(clipped_tokens=(clipped & b.loss_mask).sum().item())
+    if b.ref_logp is not None:
+        kl = grpo.k3_kl(logp, b.ref_logp)  # [B, L-1]
+        loss = loss + cfg.kl_beta * grpo.aggregate(kl, mask, cfg.loss_agg, step_tokens, step_rows, cfg.max_tokens)
+        sums["kl_sum"] = (kl.detach() * mask).sum().item()
+    if ent is not None:
+        sums.update(entropy_sum=ent.sum().item(), entropy_tokens=ent.numel())
+    return loss, sums
+
+
+@dataclass
+class Update:
+    """What one policy update did."""
+    finite: bool  # False: skipped, no trace left in the weights or the optimizer
+    loss: float  # step loss, mean over PPO epochs
+    grad_norm: float  # before clipping, last PPO epoch
+    trained_rows: int  # rows forwarded (the others had zero advantage and no KL term)
+    sums: Counter  # clipped_tokens, kl_sum, entropy_sum / entropy_tokens (first epoch), crm_*
+
+
+def policy_update(policy, reference, optimizer, rows, cfg, pad_id):
+    """ppo_epochs AdamW steps on the PPO-clip loss of all rows, token-mean over the WHOLE step
+    whatever the micro-batch split. A non-finite loss or gradient in any epoch restores the
+    weights and optimizer state of before the call (snapshot when ppo_epochs > 1)."""
+    step_tokens, step_rows = sum(len(r.response_ids) for r in rows), len(rows)
+    trained = [r for r in rows if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
+    batches, crm = micro_batches(trained, policy, reference, cfg, pad_id)
+    kept = step_tokens - crm.templated_tokens + crm.weight_sum  # the CRM weight mass of the step
+    pg_denominator = kept if cfg.crm_denominator == "kept" else step_tokens
+    snapshot = None
+    if cfg.ppo_epochs > 1:
+        snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
+    sums = Counter({f"crm_{k}": v for k, v in fields_of(crm).items()})
+    losses, grad_norm = [], 0.0
+    for epoch in range(cfg.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for b in batches:
+            loss, s = micro_batch_loss(policy, b, cfg, max(pg_denominator, 1e-9), step_tokens, step_rows,
+                                       with_entropy=epoch == 0)
+            loss.backward()
+            loss_sum += loss.item()
+            sums.update(s)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() if batches else 0.0
+        losses.append(loss_sum)
+        if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+            optimizer.zero_grad(set_to_none=True)
+            if snapshot is not None:  # undo the earlier PPO epochs of this step
+                policy.load_state_dict(snapshot[0])
+                optimizer.load_state_dict(snapshot[1])
+            return Update(False, loss_sum, grad_norm, len(trained), sums)
+        optimizer.step()
+    return Update(True, sum(losses) / len(losses), grad_norm, len(trained), sums)
+
+
+def step_metrics(state, groups, rows, update, info, lr, cfg):
+    """One line of metrics.jsonl (and the TensorBoard train/* scalars)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
+    flat = [s for g in groups for s in g.samples]
+    lengths = [len(s.response_ids) for s in flat]
+    step_tokens = sum(len(r.response_ids) for r in rows)
+    templated = [any(g.templates) for g in groups]
+    t_rewards = [r for g, t in zip(groups, templated) if t for r in g.rewards]
+    p_rewards = [r for g, t in zip(groups, templated) if not t for r in g.rewards]
+    s = update.sums
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "step": state.step, "epoch": state.epoch,
+        "reward_mean": rewards.mean().item(),
+        "accuracy_any": (rewards.max(dim=1).values > 0).float().mean().item(),
+        "zero_variance_groups": (rewards.std(dim=1) == 0).float().mean().item() if rewards.shape[1] > 1 else 1.0,
+        "groups": len(groups), "refills": info["refills"],
+        "response_len_mean": mean(lengths), "response_len_max": max(lengths),
+        "truncated": mean([s.finish_reason == "length" for s in flat]),
+        "loss": update.loss, "kl": s["kl_sum"] / max(1, step_tokens * cfg.ppo_epochs),
+        "clip_fraction": s["clipped_tokens"] / max(1, step_tokens * cfg.ppo_epochs),
+        "entropy": s["entropy_sum"] / max(1, s["entropy_tokens"]),
+        "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
+        "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
+        "reward_templated_groups": mean(t_rewards), "reward_plain_groups": mean(p_rewards),
+        "crm_masked_fraction": s["crm_out_of_band_tokens"] / max(1, s["crm_templated_tokens"]),
+        "crm_mean_log_ratio": s["crm_log_ratio_sum"] / max(1, s["crm_templated_tokens"]),
+        "hard_so_far": len(state.hard_now),
+        **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},
+        "gen_tokens_per_s": sum(lengths) / max(info["generate"], 1e-9), "skipped_steps": state.skipped_steps,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "prompt_ids": [g.problem.id for g in groups],
+    }
+
+
+# ----------------------------------------------------------------------------- checkpoints and logs
+
+
+def checkpoint_step(name):
+    """ckpt-000012 -> 12; anything else -> None."""
+    prefix, _, number = name.partition("-")
+    return int(number) if prefix == "ckpt" and number.isdigit() else None
+
+
+def write_atomic(path, write):
+    """Write a file through a temporary sibling and a rename: readers see the old or the new file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir, policy, tokenizer, optimizer, scheduler, state, cfg):
+    """ckpt-NNNNNN/ = an HF model folder + trainer.pt, written atomically; then `latest` names it.
+    A checkpoint of the same step already on this branch holds the same weights: only its
+    trainer.pt is replaced (atomically), e.g. after a GEPA round, which changes no weight."""
+    name = f"ckpt-{state.step:06d}"
+    path = os.path.join(run_dir, name)
+    trainer = {"config": dataclasses.asdict(cfg), "loop": fields_of(state),
+               "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+               "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
+    if os.path.isdir(path):
+        write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
+    else:
+        with atomic_directory(path) as tmp:
+            policy.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+    write_atomic(os.path.join(run_dir, "latest"), lambda tmp: open(tmp, "w").write(name + "\n"))
+    return path
+
+
+def load_trainer_state(path):
+    """trainer.pt of a checkpoint folder, or a clear error naming the file."""
+    file = os.path.join(path, "trainer.pt")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"{file}: not a checkpoint (no trainer.pt)") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is reported, not a traceback
+        raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "loop" not in state:
+        raise SystemExit(f"{file}: not a checkpoint of this version of train.py (no loop state)")
+    return state
+
+
+def resolve_resume(cfg):
+    if cfg.resume != "auto":
+        return cfg.resume
+    latest = os.path.join(cfg.out_dir, cfg.run_name, "latest")
+    if not os.path.isfile(latest):
+        raise SystemExit(f"--resume=auto: {latest} does not exist")
+    return os.path.join(cfg.out_dir, cfg.run_name, open(latest).read().strip())
+
+
+LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "dev.jsonl")
+
+
+def start_branch(run_dir, step, epoch, resumed_from):
+    """Make run_dir a clean branch that continues at `step`: whatever an earlier attempt wrote
+    after it (later checkpoints, log lines of later steps, GEPA archives of epochs not yet
+    reached) moves to abandoned/<time>/, so nothing is lost and nothing is counted twice.
+    Unfinished writes (.partial-*, *.tmp-*) of a killed process are removed."""
+    trash = os.path.join(run_dir, "abandoned", time.strftime("%Y%m%d-%H%M%S"))
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if name.startswith(".partial-") or ".tmp-" in name:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            continue
+        n, stale = checkpoint_step(name), False
+        if n is not None:  # a later checkpoint, or one of this step that is not the resumed one
+            stale = n > step or (n == step and os.path.realpath(path) != os.path.realpath(resumed_from or path))
+        elif name.startswith("gepa-epoch-") and name.endswith(".json"):
+            stale = int(name[len("gepa-epoch-"):-len(".json")]) >= epoch
+        if stale:
+            os.makedirs(trash, exist_ok=True)
+            os.rename(path, os.path.join(trash, name))
+    for name in LOG_FILES:
+        path = os.path.join(run_dir, name)
+        if not os.path.isfile(path):
+            continue
+        keep, drop = [], []
+        for line in open(path):
+            try:
+                (keep if json.loads(line)["step"] <= step else drop).append(line)
+            except (ValueError, KeyError):  # a line cut by a kill
+                drop.append(line)
+        if drop:
+            os.makedirs(trash, exist_ok=True)
+            with open(os.path.join(trash, name), "a") as f:
+                f.writelines(drop)
+            write_atomic(path, lambda tmp: open(tmp, "w").writelines(keep))
+
+
+class RunLog:
+    """TensorBoard scalars and the run's JSONL files. Opened at a resumed step, TensorBoard
+    purges events after it (start_branch has already cut the JSONL files)."""
+
+    def __init__(self, run_dir, step, cfg):
+        self.run_dir, self.cfg = run_dir, cfg
+        self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=step + 1 if step else None)
+        self.writer.add_text("config", "```\n" + json.dumps(dataclasses.asdict(cfg), indent=1) + "\n```", step)
+        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.rollouts = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
+
+    def scalars(self, prefix, values, step):
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def step(self, m, groups):
+        self.scalars("train", m, m["step"])
+        self.metrics.write(json.dumps(m) + "\n")
+        self.metrics.flush()
+        for g in groups[:self.cfg.log_rollouts]:
+            self.rollouts.write(json.dumps({"step": m["step"], "id": g.problem.id, "answer": g.problem.answer,
+                                            "templates": g.templates, "responses": [s.text for s in g.samples],
+                                            "rewards": g.rewards}) + "\n")
+        self.rollouts.flush()
+
+    def dev(self, step, overall):
+        self.scalars("dev", overall, step)
+        with open(os.path.join(self.run_dir, "dev.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **overall}) + "\n")
+
+    def dev_records(self):
+        path = os.path.join(self.run_dir, "dev.jsonl")
+        return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+
+    def close(self):
+        self.writer.close()
+        self.metrics.close()
+        self.rollouts.close()
+
+
+# ----------------------------------------------------------------------------- GEPA at an epoch's end
 
 
 def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, reward_fn, reflect_override=None):
     """Run GEPA on this epoch's hard prompts with the current policy answering; return the result."""
-    import gepa
-    from prompts import problem_messages
-    from rollout import make_rollout
-
     def answer_fn(pairs, kind):
         msgs = [problem_messages(item, t) for t, item in pairs]
         out = engine.generate(msgs, n=1, temperature=0.0, max_tokens=cfg.max_tokens)
@@ -280,10 +634,9 @@ def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, re
 
     reflector_engine, swap = engine, None
     if reflect_override is None and cfg.reflector == "init":  # Self-Ref: the frozen starting weights, swapped into the engine
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
         swap = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
     elif reflect_override is None and cfg.reflector != "policy":  # Teacher-Ref: another local model
-        from model import resolve_model
         reflector_engine = make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector))
 
     def reflect_fn(prompts):
@@ -307,61 +660,68 @@ def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, re
         counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
         return [(gepa.DELIM_OPEN + g[0].text, g[0].finish_reason == "stop") for g in out]
 
-    gcfg = gepa.GepaConfig(budget=cfg.gepa_budget, dev_max=cfg.gepa_dev_max, parents_per_iter=cfg.gepa_parents,
-                           minibatch=cfg.gepa_minibatch, max_template_chars=cfg.max_template_chars)
-    return gepa.run_gepa(hard_problems, answer_fn, reflect_fn, gcfg, random.Random(cfg.seed * 7919 + epoch),
-                         k=cfg.group_size, same_for_group=cfg.same_template_per_group, reward_fn=reward_fn)
+    rng = random.Random(f"gepa/{cfg.seed}/{epoch}")  # independent of the prompt order's seed
+    return gepa.run_gepa(hard_problems, answer_fn, reflect_fn, cfg, rng, k=cfg.group_size,
+                         same_for_group=cfg.same_template_per_group, reward_fn=reward_fn)
+
+
+def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=True):
+    """P²O: GEPA on the epoch's hard prompts -> the next epoch's template assignment. Then a new
+    epoch starts collecting hard prompts. gepa_args: (engine, policy, model_path, reward_fn, reflect_fn)."""
+    if cfg.algo == "p2o":
+        log.writer.add_scalar("p2o/hard_set_size", len(state.hard_now), state.step)
+        summary = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}
+        state.assignment = {}
+        if run_gepa and len(state.hard_now) >= cfg.gepa_min_hard:
+            tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
+            t = time.perf_counter()
+            engine, policy, model_path, reward_fn, reflect_fn = gepa_args
+            result = gepa_round(cfg, state.epoch, [by_id[i] for i in state.hard_now], engine, policy, model_path,
+                                state.counts, reward_fn, reflect_fn)
+            archive = result.to_json()
+            write_atomic(os.path.join(log.run_dir, f"gepa-epoch-{state.epoch}.json"),
+                         lambda tmp: json.dump(archive, open(tmp, "w"), indent=1))
+            state.assignment = result.assignment
+            proposals = sum(e["outcome"] != "skipped_all_correct" for e in result.log)
+            accepted = sum(e["outcome"] == "accepted" for e in result.log)
+            summary.update(ran=True, seconds=time.perf_counter() - t, pool=len(result.pool), accepted=accepted,
+                           proposals=proposals, rejections=dict(result.rejections),
+                           best_dev_score=archive["best_dev_score"], chosen=len(result.chosen),
+                           assigned=len(state.assignment), metric_calls=result.metric_calls, budget=cfg.gepa_budget)
+            log.writer.add_scalar("p2o/gepa_acceptance_rate", accepted / max(1, proposals), state.step)
+            log.writer.add_scalar("p2o/gepa_best_dev_score", archive["best_dev_score"], state.step)
+            tqdm.write(f"GEPA: {json.dumps(summary)}")
+        state.gepa_history.append(summary)
+    state.hard_now = {}
+    state.epoch = stream.epoch_of(state.consumed)
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
-    """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
-    engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
-    verify.reward; GEPA scores with the same function) and `reflect_fn(prompts) -> [(text,
-    finished)]` (a scripted reflector)."""
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class StopSignal:
+    """SIGINT / SIGTERM: finish the step in flight, save a checkpoint, exit. A second signal stops at once."""
 
-    import distill
-    from data import load_jsonl
-    from eval import evaluate
-    from model import resolve_model
-    from prompts import problem_messages
-    from rollout import HFRollout, encode_prompt, make_rollout
-    from verify import reward as verify_reward
+    def __init__(self):
+        self.signal = None
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
-    if cfg.algo not in ("p2o", "grpo"):
-        raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
-    if cfg.crm_denominator not in ("all", "kept") or (cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean"):
-        raise SystemExit("--crm_denominator is all | kept, and kept needs --loss_agg=token-mean")
-    reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
-    resume_state = None
-    if cfg.resume:
-        path = resolve_resume(cfg)
-        resume_state = load_trainer_state(path)
-        print(f"resuming from {path} at step {resume_state['step']}")
-    cfg.run_name = cfg.run_name or f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    print(json.dumps(dataclasses.asdict(cfg), indent=1))
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"\nsignal {signum}: finishing this step, saving a checkpoint, exiting")
 
-    # ---- data
-    train_set, _ = load_jsonl(cfg.train_data)
-    dev_set = load_jsonl(cfg.dev_data)[0] if cfg.dev_data else []
-    by_id = {p.id: p for p in train_set}
-    stream = PromptStream(train_set, cfg.seed, resume_state["consumed"] if resume_state else 0)
-    steps_per_epoch = max(1, len(train_set) // cfg.prompts_per_step)
-    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
-    # ---- models: the policy (fp32 master weights), the optional reference, the rollout engine
-    model_path = resolve_model(cfg.model)
-    weights_path = path if resume_state else model_path
+
+def load_models(cfg, model_path, weights_path, engine):
+    """The policy (fp32 master weights), the frozen reference (kl_beta > 0 only), the tokenizer
+    and the rollout engine, which starts from (or is pushed) the policy's weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32)
     policy.train()
@@ -371,335 +731,146 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     if cfg.kl_beta > 0:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         reference.requires_grad_(False)
-    if engine is None:
-        if cfg.backend == "hf":
-            engine = HFRollout(None, model=policy, tokenizer=tokenizer)  # shares the weights
-        else:
-            engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
-                                  max_model_len=2048)
-    elif resume_state:
+    if engine is None and cfg.backend == "hf":
+        engine = HFRollout(None, model=policy, tokenizer=tokenizer)  # shares the policy's weights
+    elif engine is None:
+        engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
+                              max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib)
+    elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
         engine.push_weights(policy.state_dict())
+    return policy, reference, tokenizer, engine
+
+
+def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
+    """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
+    engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
+    verify.reward; GEPA scores with the same function) and `reflect_fn(prompts) -> [(text,
+    finished)]` (a scripted reflector)."""
+    check_config(cfg)
+    reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
+    resume_path = resolve_resume(cfg) if cfg.resume else None
+    saved = load_trainer_state(resume_path) if resume_path else None
+    cfg.run_name = cfg.run_name or f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    print(json.dumps(dataclasses.asdict(cfg), indent=1))
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    # ---- data, models, optimizer
+    train_set = load_jsonl(cfg.train_data)[0]
+    dev_set = load_jsonl(cfg.dev_data)[0] if cfg.dev_data else []
+    by_id = {p.id: p for p in train_set}
+    stream = PromptStream(train_set, cfg.seed)
+    total_steps = cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step)
+    model_path = resolve_model(cfg.model)
+    policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, 0.999))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-
-    # ---- loop state; all of it is in every checkpoint, so a resumed run continues exactly
-    step, bad_steps, skipped_steps = 0, 0, 0
-    counts = Counter()  # rollouts / tokens / reflection calls by category
-    hard_now = {}  # id -> None: prompts found hard in the current epoch (insertion-ordered)
-    assignment = {}  # id -> K templates, from the last GEPA round (used during this epoch)
-    epoch = 0
-    gepa_history = []
-    if resume_state:
-        optimizer.load_state_dict(resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
-        step, skipped_steps = resume_state["step"], resume_state["skipped_steps"]
-        counts = Counter(resume_state["counts"])
-        hard_now = dict.fromkeys(resume_state["hard_now"])
-        assignment, epoch = resume_state["assignment"], resume_state["epoch"]
-        gepa_history = resume_state["gepa_history"]
-        random.setstate(resume_state["rng"]["python"])
-        np.random.set_state(resume_state["rng"]["numpy"])
-        torch.set_rng_state(resume_state["rng"]["torch"])
-
-    writer = SummaryWriter(os.path.join(run_dir, "tb"))
-    writer.add_text("config", "```\n" + json.dumps(dataclasses.asdict(cfg), indent=1) + "\n```", step)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-    rollouts_file = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
-
-    def state():
-        return {"consumed": stream.consumed, "skipped_steps": skipped_steps, "counts": dict(counts),
-                "hard_now": list(hard_now), "assignment": assignment, "epoch": epoch,
-                "gepa_history": gepa_history}
-
-    def checkpoint():
-        return save_checkpoint(run_dir, step, policy, tokenizer, optimizer, scheduler, state(), cfg)
+    # ---- loop state: all of it is in every checkpoint, so a resumed run continues exactly
+    state = LoopState()
+    if saved:
+        state = LoopState(**saved["loop"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        random.setstate(saved["rng"]["python"])
+        np.random.set_state(saved["rng"]["numpy"])
+        torch.set_rng_state(saved["rng"]["torch"])
+        print(f"resuming from {resume_path} at step {state.step}")
+    start_branch(run_dir, state.step if saved else -1, state.epoch, resume_path)  # a fresh run keeps nothing
+    log = RunLog(run_dir, state.step, cfg)
+    checkpoint = lambda: save_checkpoint(run_dir, policy, tokenizer, optimizer, scheduler, state, cfg)  # noqa: E731
 
     def dev_eval():
         if not dev_set:
             return {}
-        overall, _, _ = evaluate(engine, dev_set, k=cfg.eval_k, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False)
-        for key, value in overall.items():
-            writer.add_scalar(f"dev/{key}", value, step)
-        with open(os.path.join(run_dir, "dev.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **overall}) + "\n")
-        tqdm.write(f"dev @ step {step}: greedy {overall['greedy']:.3f}" +
+        overall, _, _ = evaluate(engine, dev_set, k=cfg.eval_k, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 max_tokens=cfg.max_tokens, progress=False, seed=cfg.seed * 100_003 + state.step)
+        log.dev(state.step, overall)
+        tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
                    (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
         return overall
 
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        if stop["signal"] is not None:  # second signal: give up immediately
-            raise KeyboardInterrupt
-        stop["signal"] = signum
-        print(f"\nsignal {signum}: finishing this step, saving a checkpoint, exiting")
-
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopSignal()
     print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
           "gradient is the policy gradient (see grpo.py)")
-    start_eval = dev_eval() if step == 0 else {}
-    bar = tqdm(total=total_steps, initial=step, desc=cfg.algo, dynamic_ncols=True)
+    if state.step == 0:
+        dev_eval()
+    bar = tqdm(total=total_steps, initial=state.step, desc=cfg.algo, dynamic_ncols=True)
+    gepa_args = (engine, policy, model_path, reward_fn, reflect_fn)
     try:
-        while step < total_steps and stop["signal"] is None:
+        while state.step < total_steps and stop.signal is None:
+            if stream.epoch_of(state.consumed) > state.epoch:  # the last step ended an epoch
+                gepa_due = cfg.algo == "p2o" and len(state.hard_now) >= cfg.gepa_min_hard
+                if gepa_due:  # a GEPA round is minutes of compute: checkpoint on both sides of it
+                    checkpoint()
+                end_of_epoch(state, stream, by_id, cfg, log, gepa_args)
+                if gepa_due:
+                    checkpoint()
             t0 = time.perf_counter()
-            # ---- generate: K rollouts per prompt, templated for last epoch's hard prompts
-            #      (DAPO: refill with more prompts while groups carry no signal)
-            groups, refills, gen_time, score_time = [], 0, 0.0, 0.0
-            need = cfg.prompts_per_step
-            while True:
-                problems = stream.take(need)
-                tg = time.perf_counter()
-                new = generate_groups(engine, problems, assignment, cfg,  # per-step seeds: exact resume
-                                      seed=(cfg.seed * 100_003 + step) * 10_000 + refills * 1_000)
-                gen_time += time.perf_counter() - tg
-                counts["train_rollouts"] += sum(len(g.samples) for g in new)
-                counts["train_tokens"] += sum(len(s.response_ids) for g in new for s in g.samples)
-                # ---- score, and mine hard prompts (judged on the rollouts they actually got)
-                ts = time.perf_counter()
-                for g in new:
-                    g.rewards = [reward_fn(s.text, g.problem) for s in g.samples]
-                    if cfg.algo == "p2o" and sum(g.rewards) < cfg.tau:
-                        hard_now[g.problem.id] = None
-                score_time += time.perf_counter() - ts
-                if not cfg.dynamic_sampling:
-                    groups = new
-                    break
-                groups += [g for g in new if len(set(g.rewards)) > 1][:need]  # DAPO: keep varied groups
-                need = cfg.prompts_per_step - len(groups)
-                if need <= 0 or refills >= cfg.max_refills:
-                    groups = groups or new  # nothing varied at all: an update of zero
-                    break
-                refills += 1
-
-            # ---- advantages (each group normalised alone, templated or not)
-            rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
-            adv = grpo.group_advantages(rewards, cfg.adv_norm)  # [G, K]
-
-            # ---- rows: templated rollouts re-built under the original prompt (context distillation)
-            rows = []  # (train prompt ids, response ids, advantage, templated prompt ids or None)
-            for gi, g in enumerate(groups):
-                if any(g.templates) and cfg.context_distill:  # the original prompt x, tokenised once
-                    plain_ids = encode_prompt(tokenizer, problem_messages(g.problem))
-                for k, (s, t) in enumerate(zip(g.samples, g.templates)):
-                    if t and cfg.context_distill:
-                        prompt_ids, response_ids = distill.distill_row(plain_ids, s)
-                        rows.append((prompt_ids, response_ids, adv[gi, k].item(), s.prompt_ids if cfg.crm else None))
-                    else:  # plain rows, and (ablation) templated rows trained under x~
-                        rows.append((s.prompt_ids, s.response_ids, adv[gi, k].item(), None))
-            step_tokens = sum(len(r[1]) for r in rows)
-            step_rows = len(rows)
-            train_rows = [r for r in rows if r[2] != 0.0 or cfg.kl_beta > 0]
-            train_rows.sort(key=lambda r: len(r[0]) + len(r[1]))  # less padding per micro-batch
-
-            # ---- train: PPO-clip loss over the whole step, accumulated over micro-batches
-            tt = time.perf_counter()
-            batches = []
-            for i in range(0, len(train_rows), cfg.micro_batch_size):
-                mb = train_rows[i:i + cfg.micro_batch_size]
-                ids, attn, resp = grpo.make_batch([r[0] for r in mb], [r[1] for r in mb], pad_id)
-                batches.append({"ids": ids, "attn": attn, "mask": resp[:, 1:], "adv": torch.tensor([r[2] for r in mb]),
-                                "responses": [r[1] for r in mb], "templated": [r[3] for r in mb],
-                                "old": None, "ref": None, "tilde": None})
-            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.autocast_bf16):
-                for b in batches:
-                    if cfg.ppo_epochs > 1:
-                        b["old"] = response_logprobs(policy, b["ids"], b["attn"], b["mask"], cfg.temperature)[0]
-                    if reference is not None:
-                        b["ref"] = response_logprobs(reference, b["ids"], b["attn"], b["mask"], cfg.temperature)[0]
-                    t_idx = [j for j, x in enumerate(b["templated"]) if x is not None]
-                    if t_idx:  # CRM: old log-probs of the same response tokens under x~
-                        responses = [b["responses"][j] for j in t_idx]
-                        tids, tattn, tresp = grpo.make_batch([b["templated"][j] for j in t_idx], responses, pad_id)
-                        tmask = tresp[:, 1:]
-                        tflat = response_logprobs(policy, tids, tattn, tmask, cfg.temperature)[0][tmask]
-                        tstarts = response_slices(tmask)
-                        b["tilde"] = {j: tflat[tstarts[q]:tstarts[q + 1]] for q, j in enumerate(t_idx)}
-            stats = Counter()
-            denominator = step_tokens if cfg.crm_denominator == "all" else 1.0  # kept: rescaled below
-            grad_norm, finite = 0.0, True
-            for epoch_i in range(cfg.ppo_epochs):
-                optimizer.zero_grad(set_to_none=True)
-                masked_tokens = 0
-                for b in batches:
-                    mask = b["mask"]
-                    with torch.autocast("cpu", torch.bfloat16, enabled=cfg.autocast_bf16):
-                        logp, ent = response_logprobs(policy, b["ids"], b["attn"], mask, cfg.temperature,
-                                                      with_entropy=epoch_i == 0)
-                    old_logp = logp.detach() if b["old"] is None else b["old"]
-                    token_loss, clipped = grpo.ppo_clip_token_loss(
-                        logp, old_logp, b["adv"], cfg.eps_low, cfg.eps_high, cfg.dual_clip)
-                    weight = None
-                    if b["tilde"]:  # Context Ratio Mask on the templated rows
-                        starts = response_slices(mask)
-                        flat_old = old_logp[mask]
-                        flat_tilde = flat_old.clone()
-                        is_t = torch.zeros_like(flat_old, dtype=torch.bool)
-                        for j, tl in b["tilde"].items():
-                            flat_tilde[starts[j]:starts[j + 1]] = tl
-                            is_t[starts[j]:starts[j + 1]] = True
-                        w_flat, log_c = distill.crm_weights(flat_old, flat_tilde, cfg.crm_low, cfg.crm_high, cfg.crm_soft)
-                        weight = torch.ones_like(logp)
-                        weight[mask] = w_flat
-                        if epoch_i == 0:
-                            cs = distill.crm_stats(w_flat, log_c, is_t)
-                            stats["crm_templated_tokens"] += cs["templated_tokens"]
-                            stats["crm_masked_tokens"] += cs["crm_masked_fraction"] * cs["templated_tokens"]
-                            stats["crm_log_ratio_sum"] += cs["crm_mean_log_ratio"] * cs["templated_tokens"]
-                        masked_tokens += int((w_flat == 0).sum())
-                    if b["ref"] is not None:
-                        kl = grpo.k3_kl(logp, b["ref"])
-                        token_loss = token_loss + cfg.kl_beta * kl
-                        stats["kl"] += (kl * mask).sum().item() / step_tokens
-                    loss = grpo.aggregate(token_loss, mask.float(), cfg.loss_agg, denominator,
-                                          step_rows, cfg.max_tokens, weight)
-                    loss.backward()
-                    stats["loss"] += loss.item()
-                    stats["clipped"] += (clipped & mask).sum().item()
-                    if ent is not None:
-                        stats["entropy"] += ent.sum().item()
-                        stats["ent_tokens"] += ent.numel()
-                if cfg.crm_denominator == "kept" and batches:  # token-mean over the tokens CRM kept
-                    kept = max(1, step_tokens - masked_tokens)
-                    for prm in policy.parameters():
-                        if prm.grad is not None:
-                            prm.grad /= kept
-                    stats["loss"] /= kept
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() \
-                    if batches else 0.0
-                finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
-                if not finite:
-                    break
-                optimizer.step()
-            train_time = time.perf_counter() - tt
+            groups, info = collect_groups(engine, stream, state, cfg, reward_fn)
+            rows = training_rows(groups, cfg, tokenizer)
+            t = time.perf_counter()
+            update = policy_update(policy, reference, optimizer, rows, cfg, pad_id)
+            info["train"] = time.perf_counter() - t
             lr = scheduler.get_last_lr()[0]
-
-            step += 1
-            if not finite:  # a NaN/inf loss or gradient: skip the update, count it
-                optimizer.zero_grad(set_to_none=True)
-                bad_steps += 1
-                skipped_steps += 1
-                print(f"step {step}: non-finite loss/grad (loss {stats['loss']}, grad {grad_norm}); skipped")
-                if bad_steps >= cfg.max_bad_steps:
-                    raise RuntimeError(f"{bad_steps} consecutive non-finite steps; stopped after "
-                                       f"saving {checkpoint()}")
-            else:
-                bad_steps = 0
+            state.step += 1
+            t = time.perf_counter()
+            if update.finite:
+                state.bad_steps = 0
                 scheduler.step()
-
-            # ---- push the new weights into the rollout engine (verified inside)
-            tp = time.perf_counter()
-            if finite and batches:
-                engine.push_weights(policy.state_dict())
-            push_time = time.perf_counter() - tp
-
-            # ---- log
-            flat = [s for g in groups for s in g.samples]
-            lengths = [len(s.response_ids) for s in flat]
-            templated = [any(g.templates) for g in groups]
-            t_rewards = [r for g, t in zip(groups, templated) if t for r in g.rewards]
-            p_rewards = [r for g, t in zip(groups, templated) if not t for r in g.rewards]
-            m = {
-                "step": step, "epoch": epoch,
-                "reward_mean": rewards.mean().item(),
-                "accuracy_any": (rewards.max(dim=1).values > 0).float().mean().item(),
-                "zero_variance_groups": (rewards.std(dim=1) == 0).float().mean().item() if rewards.shape[1] > 1 else 1.0,
-                "groups": len(groups), "refills": refills,
-                "response_len_mean": sum(lengths) / len(lengths), "response_len_max": max(lengths),
-                "truncated": sum(s.finish_reason == "length" for s in flat) / len(flat),
-                "loss": stats["loss"] / cfg.ppo_epochs, "kl": stats["kl"] / cfg.ppo_epochs,
-                "clip_fraction": stats["clipped"] / max(1, step_tokens * cfg.ppo_epochs),
-                "entropy": stats["entropy"] / max(1, stats["ent_tokens"]),
-                "grad_norm": grad_norm, "lr": lr, "trained_rows": len(train_rows),
-                "templated_row_fraction": sum(bool(t) for g in groups for t in g.templates) / len(flat),
-                "reward_templated_groups": sum(t_rewards) / len(t_rewards) if t_rewards else float("nan"),
-                "reward_plain_groups": sum(p_rewards) / len(p_rewards) if p_rewards else float("nan"),
-                "crm_masked_fraction": stats["crm_masked_tokens"] / max(1, stats["crm_templated_tokens"]),
-                "crm_mean_log_ratio": stats["crm_log_ratio_sum"] / max(1, stats["crm_templated_tokens"]),
-                "hard_so_far": len(hard_now),
-                "time_generate": gen_time, "time_score": score_time, "time_train": train_time,
-                "time_push": push_time, "time_step": time.perf_counter() - t0,
-                "gen_tokens_per_s": sum(lengths) / max(gen_time, 1e-9), "skipped_steps": skipped_steps,
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "prompt_ids": [g.problem.id for g in groups],
-            }
-            for key, value in m.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    writer.add_scalar(f"train/{key}", value, step)
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
-            for g in groups[:cfg.log_rollouts]:
-                rollouts_file.write(json.dumps({"step": step, "id": g.problem.id, "answer": g.problem.answer,
-                                                "templates": g.templates, "responses": [s.text for s in g.samples],
-                                                "rewards": g.rewards}) + "\n")
-            rollouts_file.flush()
+                if update.trained_rows:
+                    engine.push_weights(policy.state_dict())  # verified inside: raises on a mismatch
+            else:  # a NaN/inf loss or gradient: the update left no trace; count it
+                state.bad_steps += 1
+                state.skipped_steps += 1
+                tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
+            info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
+            m = step_metrics(state, groups, rows, update, info, lr, cfg)
+            log.step(m, groups)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", zero_var=f"{m['zero_variance_groups']:.2f}",
-                            gen=f"{gen_time:.1f}s", train=f"{train_time:.1f}s")
-
-            # ---- end of an epoch: GEPA on this epoch's hard prompts -> next epoch's templates
-            if stream.epoch_of(stream.consumed) > epoch:
-                if cfg.algo == "p2o":
-                    writer.add_scalar("p2o/hard_set_size", len(hard_now), epoch)
-                    summary = {"epoch": epoch, "hard": len(hard_now), "ran": False}
-                    if len(hard_now) >= cfg.gepa_min_hard and step < total_steps:
-                        tqdm.write(f"epoch {epoch}: {len(hard_now)} hard prompts -> GEPA")
-                        tg = time.perf_counter()
-                        result = gepa_round(cfg, epoch, [by_id[i] for i in hard_now], engine, policy,
-                                            model_path, counts, reward_fn, reflect_fn)
-                        archive = result.to_json()
-                        with open(os.path.join(run_dir, f"gepa-epoch-{epoch}.json"), "w") as f:
-                            json.dump(archive, f, indent=1)
-                        assignment = result.assignment
-                        proposals = sum(e["outcome"] != "skipped_all_correct" for e in result.log)
-                        accepted = sum(e["outcome"] == "accepted" for e in result.log)
-                        summary.update(ran=True, seconds=time.perf_counter() - tg, pool=len(result.pool),
-                                       accepted=accepted, proposals=proposals, rejections=dict(result.rejections),
-                                       best_dev_score=archive["best_dev_score"], chosen=len(result.chosen),
-                                       assigned=len(assignment), metric_calls=result.metric_calls)
-                        writer.add_scalar("p2o/gepa_acceptance_rate", accepted / max(1, proposals), epoch)
-                        writer.add_scalar("p2o/gepa_best_dev_score", archive["best_dev_score"], epoch)
-                        tqdm.write(f"GEPA: {json.dumps(summary)}")
-                    else:
-                        assignment = {}
-                    gepa_history.append(summary)
-                hard_now = {}
-                epoch = stream.epoch_of(stream.consumed)
-
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                            gen=f"{info['generate']:.1f}s", train=f"{info['train']:.1f}s")
+            if state.bad_steps >= cfg.max_bad_steps:
+                raise RuntimeError(f"{state.bad_steps} consecutive non-finite steps; stopped after saving {checkpoint()}")
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total_steps:
                 dev_eval()
-            if cfg.save_every and step % cfg.save_every == 0:
+            if cfg.save_every and state.step % cfg.save_every == 0:
                 checkpoint()
+        if state.step >= total_steps and stream.epoch_of(state.consumed) > state.epoch:
+            end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=False)  # log the last hard set
         final_path = checkpoint()
-        if stop["signal"] is not None:
-            print(f"stopped by signal {stop['signal']}; checkpoint {final_path}")
-            return {"step": step, "checkpoint": final_path, "interrupted": True}
-        end_eval = dev_eval()
+        if stop.signal is not None:
+            print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
+            return {"step": state.step, "checkpoint": final_path, "interrupted": True}
+        records = log.dev_records()
+        if dev_set and not (records and records[-1]["step"] == state.step):
+            dev_eval()
+            records = log.dev_records()
     finally:
         bar.close()
-        writer.close()
-        metrics_file.close()
-        rollouts_file.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-    from plot import plot_run
+        log.close()
+        stop.restore()
+    print_summary(run_dir, state, records, len(dev_set))
+    return {"step": state.step, "checkpoint": final_path, "policy": policy, "counts": state.counts,
+            "gepa_history": state.gepa_history, "dev": records}
 
+
+def print_summary(run_dir, state, dev_records, dev_size):
     print(f"curves: {plot_run(run_dir)}")
-    gepa_tokens = counts["gepa_minibatch_tokens"] + counts["gepa_dev_tokens"] + counts["reflection_tokens"]
-    all_tokens = gepa_tokens + counts["train_tokens"]
-    print(f"compute: {json.dumps(dict(counts))}; GEPA share of generated tokens "
-          f"{gepa_tokens / max(1, all_tokens):.3f}")
-    if gepa_history:
-        print(f"P²O epochs: {json.dumps(gepa_history)}")
-    if start_eval and end_eval:
-        print(f"dev greedy accuracy: {start_eval['greedy']:.3f} before -> {end_eval['greedy']:.3f} after "
-              f"({len(dev_set)} problems)")
-    return {"step": step, "checkpoint": final_path, "start_eval": start_eval, "end_eval": end_eval,
-            "policy": policy, "counts": counts, "gepa_history": gepa_history}
+    c = state.counts
+    gepa_tokens = c["gepa_minibatch_tokens"] + c["gepa_dev_tokens"] + c["reflection_tokens"]
+    print(f"compute: {json.dumps(dict(c))}; GEPA share of generated tokens "
+          f"{gepa_tokens / max(1, gepa_tokens + c['train_tokens']):.3f}")
+    if state.gepa_history:
+        print(f"P²O epochs: {json.dumps(state.gepa_history)}")
+    if len(dev_records) > 1:  # from dev.jsonl, so a resumed run reports its whole branch
+        print(f"dev greedy accuracy: {dev_records[0]['greedy']:.3f} before (step {dev_records[0]['step']}) -> "
+              f"{dev_records[-1]['greedy']:.3f} after (step {dev_records[-1]['step']}; {dev_size} problems)")
 
 
 def main(argv):

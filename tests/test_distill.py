@@ -1,11 +1,13 @@
+"""distill.py: the rebuilt context-distillation row and the Context Ratio Mask (elementwise and over a padded batch)."""
+
 import math
 
 import pytest
 import torch
 
-from distill import crm_stats, crm_weights, distill_row
+from distill import CrmSums, crm_token_weights, crm_weights, distill_row
 from grpo import aggregate, ppo_clip_token_loss
-from prompts import FORMAT_INSTRUCTION, apply_template, build_messages, user_text
+from prompts import build_messages
 from rollout import Sample
 
 
@@ -17,20 +19,54 @@ def test_crm_mask_at_and_around_the_bounds():
     assert torch.allclose(log_c, torch.log(c))
     assert w.tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0]  # the band is inclusive
     soft, _ = crm_weights(plain, templated, soft=True)
-    expected = [0.01 / 0.005, 0.01 / 0.0099, 1, 1, 1, 1, 1, 10 / 10.01, 10 / 50]
+    # below the band c / low, above it high / c: never more than 1 (bound / c below would be 2x, ~1.01x)
+    expected = [0.005 / 0.01, 0.0099 / 0.01, 1, 1, 1, 1, 1, 10 / 10.01, 10 / 50]
     assert torch.allclose(soft, torch.tensor(expected, dtype=torch.float64))
+    tiny = torch.tensor([math.log(5e-5)], dtype=torch.float64)  # c = 5e-5: the reference code's bound/c = 200
+    assert crm_weights(tiny, torch.zeros(1, dtype=torch.float64), soft=True)[0].item() == pytest.approx(5e-3)
     w2, _ = crm_weights(plain, templated, low=0.5, high=2.0)
     assert w2.tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0]
 
 
-def test_crm_stats():
-    w = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    log_c = torch.tensor([0.1, 5.0, -0.3, 0.0])
-    templated = torch.tensor([True, True, True, False])
-    s = crm_stats(w, log_c, templated)
-    assert s["crm_masked_fraction"] == pytest.approx(1 / 3)
-    assert s["crm_mean_log_ratio"] == pytest.approx((0.1 + 5.0 - 0.3) / 3)
-    assert crm_stats(w, log_c, torch.zeros(4, dtype=torch.bool))["templated_tokens"] == 0
+def test_crm_token_weights_docstring_example():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    plain = [None, torch.tensor([-0.5, -0.5, -0.5])]
+    tilde = [None, torch.tensor([-0.5, -9.0, -0.6])]
+    w, sums = crm_token_weights(mask, plain, tilde)
+    assert w.tolist() == [[1, 1, 1], [1, 0, 1]]
+    assert (sums.templated_tokens, sums.out_of_band_tokens, sums.weight_sum) == (3, 1, 2.0)
+    assert sums.log_ratio_sum == pytest.approx(0.0 + 8.5 + 0.1)
+
+
+def test_crm_token_weights_scatter_to_each_rows_own_response_positions():
+    # rows with different prompt lengths: responses start at different positions of the padded batch
+    mask = torch.tensor([[False, False, True, True, False],
+                         [False, True, True, True, True],
+                         [True, True, False, False, False]])
+    plain = [torch.tensor([-1.0, -1.0]), None, torch.tensor([-2.0, -2.0])]
+    tilde = [torch.tensor([-1.0, -8.0]), None, torch.tensor([-0.1, -2.0])]  # c = [1, e^7]; [e^-1.9, 1]
+    w, sums = crm_token_weights(mask, plain, tilde, soft=True)
+    expected = torch.ones(3, 5)
+    expected[0, 3] = 10 / math.exp(7.0)  # above the band: high / c
+    expected[2, 0] = 1.0  # e^-1.9 = 0.15 is inside [0.01, 10]
+    assert torch.allclose(w, expected)
+    assert sums.templated_tokens == 4 and sums.out_of_band_tokens == 1
+    assert sums.weight_sum == pytest.approx(3 + 10 / math.exp(7.0))
+    both = sums + CrmSums(1, 1, 0.0, -5.0)
+    assert (both.templated_tokens, both.out_of_band_tokens) == (5, 2)
+    with pytest.raises(ValueError, match="row 0"):
+        crm_token_weights(mask, [torch.zeros(3), None, None], [torch.zeros(3), None, None])
+
+
+def test_soft_and_hard_count_the_same_out_of_band_tokens():
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    plain = [torch.log(torch.tensor([0.001, 1.0, 50.0, 2.0]))]
+    tilde = [torch.zeros(4)]
+    hard_w, hard = crm_token_weights(mask, plain, tilde)
+    soft_w, soft = crm_token_weights(mask, plain, tilde, soft=True)
+    assert hard.out_of_band_tokens == soft.out_of_band_tokens == 2  # both sides of the band counted
+    assert hard_w.tolist() == [[0, 1, 0, 1]]
+    assert (soft_w <= 1).all() and soft_w[0, 0].item() == pytest.approx(0.1)  # c / low = 0.001 / 0.01
 
 
 def test_rebuilt_row_has_identical_response_ids_and_the_original_prompt(model_path):
@@ -45,17 +81,6 @@ def test_rebuilt_row_has_identical_response_ids_and_the_original_prompt(model_pa
     sample = Sample(templated, [22, 33, 2], "x", "stop")
     prompt_ids, response_ids = distill_row(plain, sample)
     assert prompt_ids == plain and response_ids == [22, 33, 2]
-
-
-def test_template_application_keeps_the_answer_format_in_the_original_text():
-    x = user_text("What is 7 + 4 × 3?")
-    assert x == "What is 7 + 4 × 3?\n" + FORMAT_INSTRUCTION
-    assert apply_template(x, "  Multiply first.  ") == "Multiply first.\n\n" + x
-    assert apply_template(x, "   ") == x
-    msgs = build_messages("What is 7 + 4 × 3?", template="Multiply first.", fewshot=True)
-    assert len(msgs) == 7 and msgs[-1]["content"].endswith(FORMAT_INSTRUCTION)
-    assert msgs[-1]["content"].startswith("Multiply first.\n\n")
-    assert all("Multiply first." not in m["content"] for m in msgs[:-1])  # few-shot turns untouched
 
 
 def test_all_ones_mask_equals_plain_grpo_loss():

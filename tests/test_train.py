@@ -1,5 +1,5 @@
-"""End-to-end GRPO on a tiny randomly initialised Llama (HF rollout backend, scripted reward),
-config parsing, exact resume, and the NaN guard."""
+"""train.py: config parsing, the prompt stream, response log-probs, the policy update, and end-to-end GRPO /
+P²O runs on a tiny random Llama (HF backend, scripted rewards): exact resume, NaN guard, signals, every flag."""
 
 import json
 import math
@@ -64,12 +64,12 @@ def test_overrides_are_type_checked():
 def test_prompt_stream_epochs_and_state():
     items = list(range(5))
     s = PromptStream(items, seed=1)
-    first = s.take(5)
-    assert sorted(first) == items and s.epoch_of(s.consumed) == 1
-    second = s.take(5)
+    first = s.take(0, 5)
+    assert sorted(first) == items and s.epoch_of(5) == 1
+    second = s.take(5, 5)
     assert sorted(second) == items and first != second  # a new order each epoch
-    resumed = PromptStream(items, seed=1, consumed=3)
-    assert resumed.take(4) == first[3:] + second[:2]
+    resumed = PromptStream(items, seed=1)  # a new stream at a saved position
+    assert resumed.take(3, 4) == first[3:] + second[:2]
 
 
 def test_two_steps_end_to_end(tiny_model, tmp_path):
@@ -114,7 +114,7 @@ def test_nan_steps_are_skipped_then_stop_after_saving(tiny_model, tmp_path, monk
     with pytest.raises(RuntimeError, match="2 consecutive non-finite steps"):
         train.train(cfg, reward_fn=parity_reward)
     state = torch.load(tmp_path / "t" / "ckpt-000002" / "trainer.pt", weights_only=False)
-    assert state["skipped_steps"] == 2
+    assert state["loop"]["skipped_steps"] == 2
 
 
 def test_corrupt_checkpoint_is_reported(tmp_path):
@@ -230,7 +230,8 @@ def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_p
     train.train(p2o_config(tiny_model, tmp_path / "b", data, max_steps=3, save_every=3),
                 engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflect_fn=scripted_reflector())
     state = torch.load(tmp_path / "b" / "t" / "ckpt-000003" / "trainer.pt", weights_only=False)
-    assert state["epoch"] == 1 and state["assignment"] and state["counts"]["reflection_calls"] > 0
+    loop = state["loop"]
+    assert loop["epoch"] == 1 and loop["assignment"] and loop["counts"]["reflection_calls"] > 0
     resumed = train.train(p2o_config(tiny_model, tmp_path / "b", data, resume="auto"),
                           engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflect_fn=scripted_reflector())
     ma, mb = read_metrics(tmp_path / "a" / "t"), read_metrics(tmp_path / "b" / "t")
