@@ -21,10 +21,11 @@ import sys
 import time
 from collections import defaultdict
 
-from tqdm import tqdm
 
 from data import DataError, load_jsonl
+from model import resolve_model
 from prompts import problem_messages
+from rollout import make_rollout
 from verify import check
 
 SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (SPEC §7)
@@ -142,9 +143,6 @@ def main(argv=None):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    from model import resolve_model
-    from rollout import make_rollout
 
     model_path = resolve_model(args.model)
     engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed)

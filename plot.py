@@ -8,6 +8,11 @@ import json
 import os
 import sys
 
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
 
 def read_jsonl(path):
     if not os.path.isfile(path):
@@ -17,11 +22,6 @@ def read_jsonl(path):
 
 
 def plot_run(run_dir):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     dev = read_jsonl(os.path.join(run_dir, "dev.jsonl"))
     if not steps:

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 
 @dataclass
@@ -225,8 +226,6 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
                  logprobs=False, ignore_eos=False, progress=False, stop=None):
-        from tqdm import tqdm
-
         if seed is not None:
             torch.manual_seed(seed)
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]

@@ -37,7 +37,7 @@ def prompts_for(args):
     from train import PromptStream
 
     stream = PromptStream(load_jsonl("builtin-train")[0], seed=args.seed)
-    return stream.take((args.steps + 1) * args.prompts)
+    return stream.take(0, (args.steps + 1) * args.prompts)
 
 
 def run_ours(args):

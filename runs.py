@@ -1,0 +1,162 @@
+"""Where a run's files live and how they are written: checkpoints, resume, logs.
+
+    runs/<run_name>/
+        ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is)
+                              + trainer.pt: config, loop state, optimizer, scheduler, RNG states
+        latest                the name of the newest checkpoint (one line)
+        metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
+        dev.jsonl             one line per dev eval    tb/              TensorBoard events
+        gepa-epoch-N.json     one GEPA round           abandoned/       what a resume set aside
+
+Crash safety: every file that must be whole is written through a temporary sibling and a
+rename (a checkpoint folder, trainer.pt, `latest`, GEPA archives), so a `kill -9` at any moment
+leaves the previous version readable. Resuming at step s first makes the run folder a clean
+branch (`start_branch`): later checkpoints, later log lines and GEPA archives of epochs not yet
+reached move to abandoned/<time>/, so nothing is lost and no step is logged twice.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from model import atomic_directory
+
+
+def checkpoint_step(name):
+    """ckpt-000012 -> 12; anything else -> None."""
+    prefix, _, number = name.partition("-")
+    return int(number) if prefix == "ckpt" and number.isdigit() else None
+
+
+def write_atomic(path, write):
+    """Write a file through a temporary sibling and a rename: readers see the old or the new file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir, step, policy, tokenizer, trainer):
+    """ckpt-NNNNNN/ = an HF model folder + trainer.pt (the dict `trainer`), written atomically;
+    then `latest` names it. A checkpoint of the same step already on this branch holds the same
+    weights: only its trainer.pt is replaced (atomically), e.g. after a GEPA round, which
+    changes no weight."""
+    name = f"ckpt-{step:06d}"
+    path = os.path.join(run_dir, name)
+    if os.path.isdir(path):
+        write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
+    else:
+        with atomic_directory(path) as tmp:
+            policy.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+    write_atomic(os.path.join(run_dir, "latest"), lambda tmp: open(tmp, "w").write(name + "\n"))
+    return path
+
+
+def load_trainer_state(path):
+    """trainer.pt of a checkpoint folder, or a clear error naming the file."""
+    file = os.path.join(path, "trainer.pt")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"{file}: not a checkpoint (no trainer.pt)") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is reported, not a traceback
+        raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "loop" not in state:
+        raise SystemExit(f"{file}: not a checkpoint of this version of train.py (no loop state)")
+    return state
+
+
+def resolve_resume(cfg):
+    if cfg.resume != "auto":
+        return cfg.resume
+    latest = os.path.join(cfg.out_dir, cfg.run_name, "latest")
+    if not os.path.isfile(latest):
+        raise SystemExit(f"--resume=auto: {latest} does not exist")
+    return os.path.join(cfg.out_dir, cfg.run_name, open(latest).read().strip())
+
+
+LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "dev.jsonl")
+
+
+def start_branch(run_dir, step, epoch, resumed_from):
+    """Make run_dir a clean branch that continues at `step`: whatever an earlier attempt wrote
+    after it (later checkpoints, log lines of later steps, GEPA archives of epochs not yet
+    reached) moves to abandoned/<time>/, so nothing is lost and nothing is counted twice.
+    Unfinished writes (.partial-*, *.tmp-*) of a killed process are removed."""
+    trash = os.path.join(run_dir, "abandoned", time.strftime("%Y%m%d-%H%M%S"))
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if name.startswith(".partial-") or ".tmp-" in name:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            continue
+        n, stale = checkpoint_step(name), False
+        if n is not None:  # a later checkpoint, or one of this step that is not the resumed one
+            stale = n > step or (n == step and os.path.realpath(path) != os.path.realpath(resumed_from or path))
+        elif name.startswith("gepa-epoch-") and name.endswith(".json"):
+            stale = int(name[len("gepa-epoch-"):-len(".json")]) >= epoch
+        if stale:
+            os.makedirs(trash, exist_ok=True)
+            os.rename(path, os.path.join(trash, name))
+    for name in LOG_FILES:
+        path = os.path.join(run_dir, name)
+        if not os.path.isfile(path):
+            continue
+        keep, drop = [], []
+        for line in open(path):
+            try:
+                (keep if json.loads(line)["step"] <= step else drop).append(line)
+            except (ValueError, KeyError):  # a line cut by a kill
+                drop.append(line)
+        if drop:
+            os.makedirs(trash, exist_ok=True)
+            with open(os.path.join(trash, name), "a") as f:
+                f.writelines(drop)
+            write_atomic(path, lambda tmp: open(tmp, "w").writelines(keep))
+
+
+class RunLog:
+    """TensorBoard scalars and the run's JSONL files. Opened at a resumed step, TensorBoard
+    purges events after it (start_branch has already cut the JSONL files)."""
+
+    def __init__(self, run_dir, step, cfg):
+        self.run_dir, self.cfg = run_dir, cfg
+        self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=step + 1 if step else None)
+        self.writer.add_text("config", "```\n" + json.dumps(dataclasses.asdict(cfg), indent=1) + "\n```", step)
+        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.rollouts = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
+
+    def scalars(self, prefix, values, step):
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def step(self, m, groups):
+        self.scalars("train", m, m["step"])
+        self.metrics.write(json.dumps(m) + "\n")
+        self.metrics.flush()
+        for g in groups[:self.cfg.log_rollouts]:
+            self.rollouts.write(json.dumps({"step": m["step"], "id": g.problem.id, "answer": g.problem.answer,
+                                            "templates": g.templates, "responses": [s.text for s in g.samples],
+                                            "rewards": g.rewards}) + "\n")
+        self.rollouts.flush()
+
+    def dev(self, step, overall):
+        self.scalars("dev", overall, step)
+        with open(os.path.join(self.run_dir, "dev.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **overall}) + "\n")
+
+    def dev_records(self):
+        path = os.path.join(self.run_dir, "dev.jsonl")
+        return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
+
+    def close(self):
+        self.writer.close()
+        self.metrics.close()
+        self.rollouts.close()
