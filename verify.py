@@ -14,8 +14,11 @@ parser (an ANTLR grammar that builds sympy objects) with its Python-expression f
   bound holds in any thread of any process (signal-based timeouts only work in a main thread);
 - in memory: the child caps its address space (WORKER_MEMORY_BYTES).
 
-Cheap cases never reach the child: equal strings after whitespace/LaTeX-spacing normalisation
-(reason 'exact_match') and two different integers ('not_equivalent').
+Both answers are cleaned alike before either path (outer whitespace and a trailing full stop
+dropped). Cheap cases never reach the child: the same text up to `\\dfrac`/`\\tfrac` and how an
+integer is written (`004`, `+4`, `-0`) (reason 'exact_match'), and two integers of different value
+('not_equivalent'). math-verify gives these the same verdicts, except that it scores identical
+text it cannot parse 0.
 """
 
 import json
@@ -54,23 +57,22 @@ def check(response: str, answer: str, timeout: float = DEFAULT_TIMEOUT) -> Verdi
     found, reason = last_boxed(response)
     if found is None:
         return Verdict(0.0, None, reason)
-    pred = unwrap_boxes(found).strip()
+    pred = clean(unwrap_boxes(found))
     if not pred:
         return Verdict(0.0, found, "empty_box")
     if nesting_depth(pred) > MAX_NESTING:
         return Verdict(0.0, found, "too_deeply_nested")
-    gold = unwrap_boxes(answer).strip()
-    if normalize(pred) == normalize(gold):
-        return Verdict(1.0, pred, "exact_match")
-    if INTEGER.fullmatch(normalize(pred)) and INTEGER.fullmatch(normalize(gold)):
-        return Verdict(0.0, pred, "not_equivalent")  # distinct integers: no sympy needed
+    gold = clean(unwrap_boxes(answer))  # both sides alike, and both paths see the cleaned strings
+    decided = shortcut(pred, gold)
+    if decided is not None:
+        return Verdict(decided, pred, "exact_match" if decided else "not_equivalent")
     outcome = _WORKER.equivalent(gold, pred, timeout)
     return Verdict(1.0 if outcome == "equivalent" else 0.0, pred, outcome)
 
 
 # ----------------------------------------------------------------------------- extraction
 
-INTEGER = re.compile(r"-?\d+")
+INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def _brace_group(text, start, limit):
@@ -140,14 +142,46 @@ def nesting_depth(text):
     return best
 
 
-_SPACING = re.compile(r"\\[,;:! ]|\\left|\\right|\\displaystyle|\s+|\$")
+def clean(s):
+    """An answer as both paths see it: outer whitespace and one trailing full stop removed (the
+    sentence's punctuation: math-verify would not parse `\\frac{1}{2}.` at all). An ellipsis, `\\.`
+    and the null delimiters `\\left.` `\\right.` keep their dot.
+
+    >>> clean(" x=3. ")
+    'x=3'
+    """
+    s = s.strip()
+    if s.endswith(".") and not s.endswith(("..", "\\.", "\\left.", "\\right.")):
+        s = s[:-1].rstrip()
+    return s
+
+
+_FRAC = re.compile(r"\\[dtc]frac(?![A-Za-z])")
 
 
 def normalize(s):
-    """Cheap, safe normalisation for the exact-match path (not an equivalence test)."""
-    s = _SPACING.sub("", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return s.rstrip(".")
+    """The form the shortcut compares: `\\dfrac`/`\\tfrac`/`\\cfrac` spelt `\\frac` (math-verify's
+    own first rewrite) and an integer written as its value (`004` -> `4`, `-0` -> `0`, `+7` -> `7`).
+    Nothing else: math-verify gives whitespace and spacing macros meaning (`1 000` is 1*0,
+    `32, 349` a set, `\\frac  1 2` unparsed), so any other difference is left to it."""
+    s = _FRAC.sub(lambda m: "\\frac", s)
+    if INTEGER.fullmatch(s):
+        digits = s.lstrip("+-").lstrip("0")
+        s = "-" + digits if digits and s[0] == "-" else digits or "0"
+    return s
+
+
+def shortcut(pred, gold):
+    """1.0 or 0.0 where two cleaned answers are decided without sympy, else None: 1.0 for the same
+    text up to how a fraction macro or an integer is spelt, 0.0 for two integers of different
+    value. math-verify decides all of these the same way, except identical text it cannot parse
+    (which it scores 0)."""
+    p, g = normalize(pred), normalize(gold)
+    if p == g:
+        return 1.0
+    if INTEGER.fullmatch(p) and INTEGER.fullmatch(g):
+        return 0.0
+    return None
 
 
 # ----------------------------------------------------------------------------- the sympy child
