@@ -629,7 +629,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731 - then constant
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     # ---- loop state: all of it is in every checkpoint, so a resumed run continues exactly
     state = LoopState()
@@ -637,6 +638,10 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
         state = LoopState(**saved["loop"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
+        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)  # settings given on resume win over saved ones
+        for g in optimizer.param_groups:
+            g.update(lr=cfg.lr * warmup(scheduler.last_epoch), initial_lr=cfg.lr, eps=cfg.adam_eps,
+                     betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
         random.setstate(saved["rng"]["python"])
         np.random.set_state(saved["rng"]["numpy"])
         torch.set_rng_state(saved["rng"]["torch"])
@@ -682,7 +687,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             t = time.perf_counter()
             update = policy_update(policy, reference, optimizer, rows, cfg, pad_id)
             info["train"] = time.perf_counter() - t
-            lr = scheduler.get_last_lr()[0]
+            lr = optimizer.param_groups[0]["lr"]  # the lr this update used
             state.step += 1
             t = time.perf_counter()
             if update.finite:

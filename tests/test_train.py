@@ -266,3 +266,147 @@ def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
     if flags.get("same_template_per_group"):
         for line in (tmp_path / "t" / "rollouts.jsonl").read_text().splitlines():
             assert len(set(json.loads(line)["templates"])) == 1
+
+
+# ----------------------------------------------------------------------------- pieces of one step
+
+
+def load_tiny(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    return model
+
+
+def full_logits_logprobs(model, ids, attention, mask, temperature):
+    """Reference: the whole [B, L, V] logits, log-softmax at T, gathered at the next tokens."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].double()  # [B, L-1, V]
+    logp = torch.log_softmax(logits / temperature, -1)
+    lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
+    ent = -(logp.exp() * logp).sum(-1)  # [B, L-1]
+    return lp * mask, ent[mask]
+
+
+def test_response_logprobs_equal_a_full_logits_gather(tiny_model):
+    model = load_tiny(tiny_model)
+    ids, attention, response = train.grpo.make_batch([[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], pad_id=2)
+    mask = response[:, 1:]
+    with torch.no_grad():
+        logp, ent = train.response_logprobs(model, ids, attention, mask, 0.6, with_entropy=True)
+    want, want_ent = full_logits_logprobs(model, ids, attention, mask, 0.6)
+    assert torch.allclose(logp.double(), want, atol=1e-5) and (logp[~mask] == 0).all()
+    assert torch.allclose(ent.double(), want_ent, atol=1e-4)
+    rows = train.row_logprobs(model, [[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], 2, 0.6)
+    assert [len(r) for r in rows] == [3, 4]
+    assert torch.allclose(rows[1].double(), want[1][mask[1]], atol=1e-5)
+
+
+def update_config(**over):
+    return Config(**{**dict(temperature=1.0, micro_batch_size=2, autocast_bf16=False, lr=1e-2, warmup_steps=1), **over})
+
+
+def some_rows():
+    Row = train.Row
+    return [Row([5, 6, 7], [9, 10, 2], 1.0), Row([8], [11, 12, 13, 2], -1.0),
+            Row([5, 6], [14, 2], 0.5, tilde_prompt_ids=[30, 31, 5, 6]), Row([7, 7], [15, 16], -0.5)]
+
+
+def band_masking_the_largest_ratio(model, row):
+    """(low, high) that keep every templated token but the one with the largest c_t."""
+    plain = train.row_logprobs(model, [row.prompt_ids], [row.response_ids], 2, 1.0)[0].detach()
+    tilde = train.row_logprobs(model, [row.tilde_prompt_ids], [row.response_ids], 2, 1.0)[0].detach()
+    c = (plain - tilde).double().exp().sort().values
+    assert c[-1] > c[-2] * 1.01
+    return c[0].item() * 0.99, c[-1].item() * 0.999
+
+
+def test_a_non_finite_later_ppo_epoch_leaves_no_trace(tiny_model, monkeypatch):
+    """Finding: with ppo_epochs > 1 the earlier epochs' optimizer steps were kept when a later
+    epoch was non-finite, while the step was reported skipped (and the engine not pushed)."""
+    model = load_tiny(tiny_model)
+    cfg = update_config(ppo_epochs=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    assert train.policy_update(model, None, opt, some_rows(), cfg, 2).finite  # non-empty AdamW state
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    calls = {"n": 0}
+    real = train.grpo.aggregate
+
+    def nan_in_second_epoch(*a, **k):
+        calls["n"] += 1
+        out = real(*a, **k)
+        return out * float("nan") if calls["n"] > 2 else out  # 4 rows / micro-batch 2 = 2 calls an epoch
+
+    monkeypatch.setattr(train.grpo, "aggregate", nan_in_second_epoch)
+    update = train.policy_update(model, None, opt, some_rows(), cfg, 2)
+    assert not update.finite and calls["n"] == 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, opt.state.values()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_kept_denominator_loss_is_logged_once_per_step_not_compounded(tiny_model):
+    """Finding: with crm_denominator=kept and ppo_epochs > 1 the logged loss was divided by the
+    kept count once per epoch. With lr = 0 both epochs see the same weights, so the logged loss is
+    -sum_rows A sum_t w_t / sum(w), computed here from a full-logits reference."""
+    model = load_tiny(tiny_model)
+    rows = some_rows()
+    low, high = band_masking_the_largest_ratio(model, rows[2])
+    cfg = update_config(ppo_epochs=2, crm_denominator="kept", crm_low=low, crm_high=high, lr=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    update = train.policy_update(model, None, opt, rows, cfg, 2)
+    templated = rows[2]
+    plain = train.row_logprobs(model, [templated.prompt_ids], [templated.response_ids], 2, 1.0)[0].detach()
+    tilde = train.row_logprobs(model, [templated.tilde_prompt_ids], [templated.response_ids], 2, 1.0)[0].detach()
+    w, _ = train.distill.crm_weights(plain, tilde, low, high)
+    assert 0 < w.sum() < len(w)  # some, not all, of the templated tokens are masked
+    weight_mass = sum(len(r.response_ids) for r in rows) - len(w) + w.sum().item()
+    expected = -sum(r.advantage * (w.sum().item() if r is templated else len(r.response_ids)) for r in rows) / weight_mass
+    assert update.finite and update.loss == pytest.approx(expected, abs=1e-5)
+    assert update.sums["crm_out_of_band_tokens"] == int((w == 0).sum())
+
+
+def test_kl_term_is_not_weighted_by_the_crm(tiny_model):
+    """Intended: the CRM weight multiplies the policy-gradient term only (as the reference code);
+    the k3 KL term counts every response token, masked or not."""
+    model = load_tiny(tiny_model)
+    reference = load_tiny(tiny_model).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    Row = train.Row
+    rows = [Row([5, 6], [14, 3, 2], 0.0, tilde_prompt_ids=[30, 31, 5, 6]), Row([8], [11, 12, 2], 0.0)]
+    cfg = update_config(kl_beta=0.5)
+    cfg.crm_low, cfg.crm_high = band_masking_the_largest_ratio(model, rows[0])
+    update = train.policy_update(model, reference, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, 2)
+    assert update.sums["crm_out_of_band_tokens"] > 0  # the mask is active on the templated row
+    ids, attention, response = train.grpo.make_batch([r.prompt_ids for r in rows], [r.response_ids for r in rows], 2)
+    mask = response[:, 1:]
+    logp, _ = full_logits_logprobs(model, ids, attention, mask, 1.0)
+    ref, _ = full_logits_logprobs(reference, ids, attention, mask, 1.0)
+    d = (ref - logp)[mask]
+    expected = 0.5 * (d.exp() - d - 1).sum().item() / mask.sum().item()  # every token, weight 1
+    assert update.loss == pytest.approx(expected, rel=1e-4)
+
+
+def test_resuming_an_earlier_checkpoint_starts_a_clean_branch(tiny_model, tmp_path):
+    """Finding: after resuming from ckpt-2 of a run that reached ckpt-4, the new branch never
+    replaced ckpt-4 (the old branch's weights stayed, `latest` pointed into it) and metrics.jsonl
+    held steps 3 and 4 twice."""
+    train.train(tiny_config(tiny_model, tmp_path, max_steps=4, save_every=2), reward_fn=parity_reward)
+    run = tmp_path / "t"
+    old4 = load_tiny(str(run / "ckpt-000004"))
+    out = train.train(tiny_config(tiny_model, tmp_path, max_steps=4, save_every=2, lr=5e-3,
+                                  resume=str(run / "ckpt-000002")), reward_fn=parity_reward)
+    assert [x["step"] for x in read_metrics(run)] == [1, 2, 3, 4]
+    assert (run / "latest").read_text().strip() == "ckpt-000004"
+    new4 = load_tiny(str(run / "ckpt-000004"))
+    assert all(torch.equal(a, b) for a, b in zip(new4.parameters(), out["policy"].parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(new4.parameters(), old4.parameters()))  # lr differs
+    assert [x["lr"] for x in read_metrics(run)] == [1e-3, 1e-3, 5e-3, 5e-3]  # --lr given on resume applies
+    (abandoned,) = (run / "abandoned").iterdir()  # the old branch is set aside, not lost
+    assert (abandoned / "ckpt-000004").is_dir()
+    assert [json.loads(line)["step"] for line in (abandoned / "metrics.jsonl").read_text().splitlines()] == [3, 4]
