@@ -1,10 +1,10 @@
 """Evaluate a model on one or more benchmarks: greedy accuracy, avg@k and unbiased pass@k.
 
     python eval.py                                         # default model, built-in test split
-    python eval.py --model=runs/x/final --data=aime24,math500 --out=out/eval.json
+    python eval.py --model=runs/x/ckpt-000030 --data=aime24,math500 --out=out/eval.json
     python eval.py --data=builtin-test --k=16 --temperature=0.6
 
-Protocol (SPEC §7, the paper's): a benchmark with fewer than 100 problems is scored by avg@16 at
+Protocol (the paper's; docs/METHOD.md §6): a benchmark with fewer than 100 problems is scored by avg@16 at
 temperature 0.6, a larger one greedily; `--k` overrides (0 = greedy only). Greedy accuracy is
 always reported. pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over the k samples
 (Chen et al. 2021). Rows are also broken down by their `source` (the built-in task's levels).
@@ -28,7 +28,7 @@ from prompts import problem_messages
 from rollout import make_rollout
 from verify import check
 
-SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (SPEC §7)
+SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (the paper's protocol)
 
 
 def pass_at_k(n, c, k):
@@ -122,7 +122,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="HF id, local folder, or the shipped default")
     ap.add_argument("--data", default="builtin-test", help="comma-separated names or .jsonl paths")
-    ap.add_argument("--k", type=int, default=None, help="samples per problem (default: SPEC §7 protocol)")
+    ap.add_argument("--k", type=int, default=None, help="samples per problem (default: the paper's protocol, docs/METHOD.md §6)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--top_p", type=float, default=1.0)
     ap.add_argument("--max_tokens", type=int, default=256)

@@ -1,5 +1,5 @@
 """GEPA for hard prompts: evolve short reasoning templates by reflective mutation and Pareto
-selection (SPEC §4). The policy answers; a reflector (by default a frozen copy of the starting
+selection (docs/METHOD.md §5). The policy answers; a reflector (by default a frozen copy of the starting
 policy, "Self-Ref") reads the policy's failures and proposes a better template.
 
 The search is pure logic around two callables, so it can be read and tested alone:
@@ -35,7 +35,6 @@ dev set is capped so that the seed's dev evaluation plus one full proposal fit:
 small for that raises ValueError rather than silently assigning no templates.
 """
 
-import random
 import re
 import string
 from collections import Counter

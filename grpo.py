@@ -1,4 +1,4 @@
-"""GRPO math in plain PyTorch: tensors in, tensors out, no state (SPEC §3).
+"""GRPO math in plain PyTorch: tensors in, tensors out, no state (docs/METHOD.md §3).
 
 Shapes: G groups (prompts) of K rollouts; B = G·K rows; T = response positions of a batch.
 

@@ -5,9 +5,9 @@
          "Multiply first.\\n\\nWhat is 7 + 4 × 3?\\nPut the final answer in \\\\boxed{}."}]
 
 The answer-format instruction belongs to the original user text, never to the template, so an
-evolved template cannot break answer extraction (SPEC §2). With `fewshot=True` three worked
+evolved template cannot break answer extraction (docs/METHOD.md §2). With `fewshot=True` three worked
 one-step examples come first as earlier chat turns: the 135M default model almost never writes
-\\boxed{} otherwise (SPEC §9). They are used for the built-in task only (`problem_messages`).
+\\boxed{} otherwise (measured: README, "Default model and data"). They are used for the built-in task only (`problem_messages`).
 """
 
 FORMAT_INSTRUCTION = "Put the final answer in \\boxed{}."

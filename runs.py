@@ -74,11 +74,16 @@ def load_trainer_state(path):
 
 
 def resolve_resume(cfg):
+    """The checkpoint folder to resume from; for 'auto' the run's `latest`, or None when the run
+    has no checkpoint yet (it was stopped before its first one): it then starts from scratch."""
     if cfg.resume != "auto":
         return cfg.resume
+    if not cfg.run_name:
+        raise SystemExit("--resume=auto needs --run_name")
     latest = os.path.join(cfg.out_dir, cfg.run_name, "latest")
     if not os.path.isfile(latest):
-        raise SystemExit(f"--resume=auto: {latest} does not exist")
+        print(f"--resume=auto: no checkpoint yet ({latest} does not exist); starting from scratch")
+        return None
     return os.path.join(cfg.out_dir, cfg.run_name, open(latest).read().strip())
 
 
@@ -89,13 +94,17 @@ def start_branch(run_dir, step, epoch, resumed_from):
     """Make run_dir a clean branch that continues at `step`: whatever an earlier attempt wrote
     after it (later checkpoints, log lines of later steps, GEPA archives of epochs not yet
     reached) moves to abandoned/<time>/, so nothing is lost and nothing is counted twice.
-    Unfinished writes (.partial-*, *.tmp-*) of a killed process are removed."""
+    Unfinished writes (.partial-*, *.tmp-*, also inside checkpoints) of a killed process are removed."""
     trash = os.path.join(run_dir, "abandoned", time.strftime("%Y%m%d-%H%M%S"))
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
         if name.startswith(".partial-") or ".tmp-" in name:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             continue
+        if checkpoint_step(name) is not None:  # a trainer.pt replacement cut by a kill
+            for inner in os.listdir(path):
+                if ".tmp-" in inner:
+                    os.remove(os.path.join(path, inner))
         n, stale = checkpoint_step(name), False
         if n is not None:  # a later checkpoint, or one of this step that is not the resumed one
             stale = n > step or (n == step and os.path.realpath(path) != os.path.realpath(resumed_from or path))

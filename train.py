@@ -745,8 +745,9 @@ def print_summary(run_dir, state, dev_records, dev_size):
 
 def main(argv):
     cfg = parse_overrides(Config(), argv)
-    if cfg.resume:  # the checkpoint's settings, then the command line's on top
-        saved = load_trainer_state(resolve_resume(cfg))["config"]
+    path = resolve_resume(cfg) if cfg.resume else None
+    if path:  # the checkpoint's settings, then the command line's on top
+        saved = load_trainer_state(path)["config"]
         cfg = parse_overrides(Config(**{**saved, "resume": cfg.resume}), argv)
     train(cfg)
 

@@ -410,3 +410,11 @@ def test_resuming_an_earlier_checkpoint_starts_a_clean_branch(tiny_model, tmp_pa
     (abandoned,) = (run / "abandoned").iterdir()  # the old branch is set aside, not lost
     assert (abandoned / "ckpt-000004").is_dir()
     assert [json.loads(line)["step"] for line in (abandoned / "metrics.jsonl").read_text().splitlines()] == [3, 4]
+
+
+def test_resume_auto_before_the_first_checkpoint_starts_from_scratch(tiny_model, tmp_path):
+    """A run killed before its first checkpoint has nothing to resume: --resume=auto starts it over."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "metrics.jsonl").write_text('{"step": 1, "partial": tru')  # a line cut by a kill
+    out = train.train(tiny_config(tiny_model, tmp_path, max_steps=1, resume="auto"), reward_fn=parity_reward)
+    assert out["step"] == 1 and [x["step"] for x in read_metrics(tmp_path / "t")] == [1]
