@@ -23,7 +23,7 @@ keys are an error). The method, its formulas and our defaults are in docs/METHOD
     policy_update    old / reference / CRM log-probs, PPO-clip loss over the whole step in
                      micro-batches, AdamW
     push_weights     the new weights into the rollout engine (verified)
-    log_step         TensorBoard, metrics.jsonl, rollouts.jsonl
+    step_metrics     -> RunLog (runs.py): TensorBoard, metrics.jsonl, rollouts.jsonl
 and at an epoch's end `end_of_epoch`: GEPA evolves templates for that epoch's hard prompts
 (gepa.py) and assigns K of them to each. Epoch 0 is plain GRPO.
 
@@ -601,6 +601,22 @@ def load_models(cfg, model_path, weights_path, engine):
     return policy, reference, tokenizer, engine
 
 
+def restore(saved, optimizer, scheduler, warmup, cfg):
+    """A checkpoint's LoopState, with its optimizer, scheduler and RNG states put back. Settings
+    given on the command line at resume (lr, AdamW's betas, eps, weight decay) win over the
+    optimizer's saved copies of them."""
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for g in optimizer.param_groups:
+        g.update(lr=cfg.lr * warmup(scheduler.last_epoch), initial_lr=cfg.lr, eps=cfg.adam_eps,
+                 betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    random.setstate(saved["rng"]["python"])
+    np.random.set_state(saved["rng"]["numpy"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    return LoopState(**saved["loop"])
+
+
 def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
     engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
@@ -633,23 +649,13 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     # ---- loop state: all of it is in every checkpoint, so a resumed run continues exactly
-    state = LoopState()
+    state = restore(saved, optimizer, scheduler, warmup, cfg) if saved else LoopState()
     if saved:
-        state = LoopState(**saved["loop"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)  # settings given on resume win over saved ones
-        for g in optimizer.param_groups:
-            g.update(lr=cfg.lr * warmup(scheduler.last_epoch), initial_lr=cfg.lr, eps=cfg.adam_eps,
-                     betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-        random.setstate(saved["rng"]["python"])
-        np.random.set_state(saved["rng"]["numpy"])
-        torch.set_rng_state(saved["rng"]["torch"])
         print(f"resuming from {resume_path} at step {state.step}")
     start_branch(run_dir, state.step if saved else -1, state.epoch, resume_path)  # a fresh run keeps nothing
     log = RunLog(run_dir, state.step, cfg)
 
-    def checkpoint():  # everything a resume needs, under one name per step
+    def checkpoint():  # everything a resume needs (restore() reads it back), one name per step
         return save_checkpoint(run_dir, state.step, policy, tokenizer, {
             "config": dataclasses.asdict(cfg), "loop": fields_of(state), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),

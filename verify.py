@@ -191,7 +191,7 @@ def serve():
     """Child process loop: one JSON [gold, pred] per stdin line -> one JSON outcome per stdout
     line ('equivalent' | 'not_equivalent' | 'unparsable' | 'timeout'). math-verify runs in the
     child's main thread (its own signal timeouts work there) with the address space capped."""
-    import resource
+    import resource  # the child's own imports: loaded after the cap, so they live under it too
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     from math_verify import LatexExtractionConfig, parse, verify

@@ -1,3 +1,5 @@
+"""data/: the JSONL schema and validating loader (errors name file:line), and the seeded built-in task."""
+
 import json
 import re
 

@@ -1,3 +1,5 @@
+"""eval.py: unbiased pass@k, the paper's protocol, per-source summaries, the table and the CLI on bad data."""
+
 import itertools
 import json
 import math

@@ -1,3 +1,5 @@
+"""grpo.py: advantages, log-probs, entropy, PPO-clip (clip-higher, dual clip), k3 KL and step-level aggregation against hand values and float64 references."""
+
 import math
 
 import pytest

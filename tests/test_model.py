@@ -1,3 +1,5 @@
+"""model.py: the shipped GGUF converted once into an atomic safetensors cache, with its chat template."""
+
 import os
 
 import pytest

@@ -1,3 +1,5 @@
+"""data/prep.py: conversion of public data sets into the JSONL schema."""
+
 import json
 import os
 

@@ -1,3 +1,5 @@
+"""rollout.py: vLLM and HF backends (prompt ids, EOS, stop strings, log-probs within 1e-3) and the verified weight push."""
+
 import pytest
 import torch
 
