@@ -80,14 +80,13 @@ def test_bad_data_file_exits_nonzero_with_location(tmp_path, capsys):
 
 
 def test_eval_cli_end_to_end(vllm_engine, tmp_path, monkeypatch, capsys):
-    """The CLI on a small file, reusing the session engine instead of starting another."""
-    import rollout
-
+    """The CLI on a small file, reusing the session engine instead of starting another (a second
+    in-process engine would tear down the first one's vLLM state when it is freed)."""
     rows = [{"id": f"r{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1), "source": "builtin/add1"}
             for i in range(3)]
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(rollout, "make_rollout", lambda *a, **k: vllm_engine)
+    monkeypatch.setattr(evaluation, "make_rollout", lambda *a, **k: vllm_engine)
     out = tmp_path / "res.json"
     assert evaluation.main([f"--data={path}", "--k=2", "--max_tokens=32", f"--out={out}"]) == 0
     result = json.loads(out.read_text())["results"][str(path)]
