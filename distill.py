@@ -74,7 +74,7 @@ def crm_token_weights(loss_mask, plain_logp, tilde_logp, low=0.01, high=10.0, so
                       [1., 0., 1.]]
         CrmSums(templated_tokens=3, out_of_band_tokens=1, weight_sum=2.0, log_ratio_sum=8.6)
     """
-    weights = torch.ones(loss_mask.shape, dtype=torch.float32)  # [B, T]
+    weights = torch.ones(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)  # [B, T]
     sums = CrmSums()
     for b, (plain, tilde) in enumerate(zip(plain_logp, tilde_logp)):
         if plain is None:
@@ -84,7 +84,7 @@ def crm_token_weights(loss_mask, plain_logp, tilde_logp, low=0.01, high=10.0, so
             raise ValueError(f"row {b}: {len(positions)} response positions, {len(plain)} plain and "
                              f"{len(tilde)} templated log-probs")
         w, log_c = crm_weights(plain.float(), tilde.float(), low, high, soft)  # [n_b]
-        weights[b, positions] = w
+        weights[b, positions] = w.to(weights.device)
         sums += CrmSums(len(w), int(((log_c < math.log(low)) | (log_c > math.log(high))).sum()),
                         w.sum().item(), log_c.sum().item())
     return weights, sums

@@ -189,7 +189,7 @@ Reply with the new instruction only, between {delim_open} and {delim_close}."""
 def reflection_record(item, response, answer_chars):
     v = check(response, item.answer)
     verdict = "correct" if v.reward > 0 else "wrong"
-    extracted = v.extracted if v.extracted is not None else "(none: no \\boxed{} answer)"
+    extracted = v.extracted[:answer_chars] if v.extracted is not None else "(none: no \\boxed{} answer)"
     return (f"Problem: {item.problem}\nStudent's answer: {response[:answer_chars]}\n"
             f"Feedback: the answer is {verdict}; the extracted answer was {extracted}; "
             f"the correct answer is {item.answer}.")

@@ -54,15 +54,17 @@ def _per_prompt(n, num_prompts):
     return counts
 
 
-def encode_prompt(tokenizer, prompt):
+def encode_prompt(tokenizer, prompt, chat_template_kwargs=None):
     """Chat messages -> chat-template ids with the generation prompt; a string -> its ids.
-    Messages ending with an assistant turn are a prefill: the answer continues that text."""
+    Messages ending with an assistant turn are a prefill: the answer continues that text.
+    chat_template_kwargs go to the template, e.g. {"enable_thinking": False} for Qwen3."""
     if isinstance(prompt, str):
         return tokenizer(prompt).input_ids
+    kwargs = chat_template_kwargs or {}
     if prompt[-1]["role"] == "assistant":
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True, **kwargs)
     else:
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -126,21 +128,26 @@ def _sampled_logprob(entry, token_id):
 
 class VLLMRollout:
     """In-process vLLM engine. CPU defaults (KV cache size, no reserved core) come from
-    `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead."""
+    `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead, and with
+    `sleep_level` > 0 the engine can free its memory while the trainer runs (`sleep` / `wake`)."""
 
-    def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0,
-                 kv_cache_gib=1, gpu_memory_utilization=0.5, enforce_eager=True):
+    def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gib=1,
+                 gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        from vllm import LLM
+        from vllm import LLM  # lazy: importing vLLM takes seconds and is not needed by the HF backend
         from vllm.platforms import current_platform
 
         self.is_cpu = current_platform.is_cpu()
-        kwargs = {} if self.is_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
+        self.sleep_level = 0 if self.is_cpu else sleep_level  # vLLM-CPU has no sleep mode
+        kwargs = {} if self.is_cpu else {"gpu_memory_utilization": gpu_memory_utilization,
+                                         "enable_sleep_mode": self.sleep_level > 0}
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.chat_template_kwargs = chat_template_kwargs
+        self.asleep = False
         self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
                                             "tie_word_embeddings", False))
 
@@ -149,7 +156,8 @@ class VLLMRollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        self.wake()
+        ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
         params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                  logprobs=0 if logprobs else None, ignore_eos=ignore_eos,
                                  stop=stop, include_stop_str_in_output=True)
@@ -177,12 +185,25 @@ class VLLMRollout:
             groups.append(group)
         return groups
 
+    def sleep(self):
+        """GPU: free the KV cache and move the weights off the GPU (level 1) or drop them (level 2)
+        while the trainer needs the memory. A no-op on the CPU or with sleep_level 0."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def push_weights(self, state_dict):
         """Load HF-named tensors into the running engine in place, then verify the load: every
         readable engine parameter must equal (as float64 checksums) the tensors pushed into it,
         cast to the engine dtype. On GPU that is every parameter; on vLLM-CPU the linear layers
         are repacked into opaque oneDNN buffers, leaving embeddings and norms to check, plus a
         probe that each remaining packed copy (the LM head) computes with its current weight."""
+        self.wake()
         items = [(k, v.detach()) for k, v in state_dict.items()
                  if not (self.tied_embeddings and k == "lm_head.weight")]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
@@ -211,13 +232,15 @@ class VLLMRollout:
 class HFRollout:
     """transformers `generate` on a local model; the reference backend and the fallback."""
 
-    def __init__(self, model_path, dtype="float32", seed=0, batch_size=32, model=None, tokenizer=None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, model_path, dtype="float32", seed=0, batch_size=32, model=None, tokenizer=None,
+                 chat_template_kwargs=None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
         self.model = model or AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.eval()
         self.batch_size = batch_size
+        self.chat_template_kwargs = chat_template_kwargs
         torch.manual_seed(seed)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
@@ -228,7 +251,7 @@ class HFRollout:
                  logprobs=False, ignore_eos=False, progress=False, stop=None):
         if seed is not None:
             torch.manual_seed(seed)
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
         counts = _per_prompt(n, len(prompts))
         flat = [x for x, k in zip(ids, counts) for _ in range(k)]  # groups contiguous
         samples = []
@@ -241,8 +264,9 @@ class HFRollout:
 
     def _generate_batch(self, batch, temperature, top_p, max_tokens, logprobs, ignore_eos, stop):
         width = max(map(len, batch))
-        input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in batch])  # left pad
-        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
+        device = self.model.device
+        input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in batch], device=device)  # left pad
+        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=device)
         sampling = temperature > 0
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention, max_new_tokens=max_tokens,
@@ -268,6 +292,12 @@ class HFRollout:
                 text, finish = text[:min(hits)], "stop"
             result.append(Sample(list(prompt), tokens, text, finish, lp))
         return result
+
+    def sleep(self):  # the HF backend shares or owns plain weights: nothing to free
+        pass
+
+    def wake(self):
+        pass
 
     def push_weights(self, state_dict):
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)

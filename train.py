@@ -74,10 +74,14 @@ class Config:
     model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
     train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
     dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
+    chat_template_kwargs: str = ""  # JSON for the chat template, e.g. '{"enable_thinking": false}' (Qwen3 non-thinking)
+    device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
     backend: str = "vllm"  # rollout engine: vllm | hf
     engine_dtype: str = "bfloat16"  # dtype of the rollout engine's weights
-    max_model_len: int = 2048  # vLLM context length (prompt + response tokens)
+    max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (context_length)
     kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
+    gpu_memory_utilization: float = 0.4  # GPU: share of the GPU vLLM may take; the trainer shares the GPU
+    vllm_sleep_level: int = 1  # GPU: while training, 1 = offload vLLM's weights and drop its KV cache, 0 = off
     algo: str = "p2o"  # p2o | grpo
     # ---- rollouts
     prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
@@ -167,10 +171,56 @@ def parse_overrides(cfg, argv):
 
 
 def check_config(cfg):
+    chat_template_kwargs(cfg)
+    pick_device(cfg.device)
     if cfg.algo not in ("p2o", "grpo"):
         raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
     if cfg.crm_denominator not in ("all", "kept") or (cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean"):
         raise SystemExit("--crm_denominator is all | kept, and kept needs --loss_agg=token-mean")
+
+
+def chat_template_kwargs(cfg):
+    """--chat_template_kwargs as a dict ({} when empty); a clear error for anything but a JSON object."""
+    try:
+        kwargs = json.loads(cfg.chat_template_kwargs or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r} ({e})") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r}")
+    return kwargs
+
+
+def pick_device(name):
+    """auto -> cuda when available, else cpu. Training keeps fp32 master weights and runs its
+    forward under bf16 autocast (autocast_bf16) on either device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise SystemExit(f"--device is auto | cpu | cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def context_length(cfg, tokenizer, problems, chat_kwargs):
+    """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
+    its answer. Training and GEPA prompts: the longest data prompt + a template of
+    max_template_chars (counted as one token a character, plus the blank line) + max_tokens.
+    P²O reflection prompts: the meta-prompt with the longest problems and answers of the data, a
+    parent of max_template_chars, answers and extracted answers cut to reflect_answer_chars
+    (one token a character) + reflect_max_tokens."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    lengths = sorted((len(encode_prompt(tokenizer, problem_messages(p), chat_kwargs)), i) for i, p in enumerate(problems))
+    need = lengths[-1][0] + cfg.max_template_chars + 2 + cfg.max_tokens
+    if cfg.algo == "p2o":
+        longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
+        records = [gepa.reflection_record(p, "", cfg.reflect_answer_chars) for p in longest]
+        messages = [{"role": "user", "content": gepa.meta_prompt("", records)},
+                    {"role": "assistant", "content": gepa.DELIM_OPEN}]
+        cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # filled in at run time
+        need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + cut_text + cfg.reflect_max_tokens)
+    return need
 
 
 # ----------------------------------------------------------------------------- state and records
@@ -252,8 +302,8 @@ class MicroBatch:
 # ----------------------------------------------------------------------------- model helpers
 
 
-def autocast(cfg):
-    return torch.autocast("cpu", torch.bfloat16, enabled=cfg.autocast_bf16)
+def autocast(cfg, device):
+    return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16)
 
 
 def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False):
@@ -274,7 +324,8 @@ def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_
 
 def row_logprobs(model, prompts, responses, pad_id, temperature):
     """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in)."""
-    ids, attention, response_mask = grpo.make_batch(prompts, responses, pad_id)
+    device = next(model.parameters()).device
+    ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
     mask = response_mask[:, 1:]  # [B, L-1]
     logp, _ = response_logprobs(model, ids, attention, mask, temperature)
     return [row[m] for row, m in zip(logp, mask)]
@@ -330,7 +381,7 @@ def collect_groups(engine, stream, state, cfg, reward_fn):
         info["refills"] += 1
 
 
-def training_rows(groups, cfg, tokenizer):
+def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     """Rows of every rollout: advantages normalised inside each group (templated or not); a
     templated rollout is trained under the ORIGINAL prompt x with its response ids unchanged
     (context distillation) and keeps x~ for its CRM weights."""
@@ -339,7 +390,7 @@ def training_rows(groups, cfg, tokenizer):
     rows = []
     for g, group_adv in zip(groups, adv.tolist()):
         distilled = any(g.templates) and cfg.context_distill
-        plain_ids = encode_prompt(tokenizer, problem_messages(g.problem)) if distilled else None
+        plain_ids = encode_prompt(tokenizer, problem_messages(g.problem), chat_kwargs) if distilled else None
         for s, t, a in zip(g.samples, g.templates, group_adv):
             if t and distilled:
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
@@ -354,13 +405,13 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
     weights: old log-probs (ppo_epochs > 1), reference log-probs (kl_beta > 0) and CRM weights
     (from the old log-probs of the same response tokens under x and x~). Returns (batches, CrmSums)."""
     rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))  # less padding
-    batches, crm = [], distill.CrmSums()
-    with torch.no_grad(), autocast(cfg):
+    batches, crm, device = [], distill.CrmSums(), next(policy.parameters()).device
+    with torch.no_grad(), autocast(cfg, device):
         for i in range(0, len(rows), cfg.micro_batch_size):
             chunk = rows[i:i + cfg.micro_batch_size]
-            ids, attention, response_mask = grpo.make_batch(
-                [r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad_id)
-            b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk]))
+            ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(
+                [r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad_id))
+            b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk], device=device))
             if cfg.ppo_epochs > 1:
                 b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature)[0]
             if reference is not None:
@@ -384,7 +435,7 @@ def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, wit
     """This micro-batch's share of the step loss (summing over micro-batches gives the step
     loss), and sums for the logs. The CRM weight multiplies the policy-gradient term only; the
     KL term counts every response token."""
-    with autocast(cfg):
+    with autocast(cfg, b.input_ids.device):
         logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy)
     old_logp = logp.detach() if b.old_logp is None else b.old_logp  # ppo_epochs == 1: rho == 1
     pg, clipped = grpo.ppo_clip_token_loss(logp, old_logp, b.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
@@ -577,25 +628,29 @@ class StopSignal:
             signal.signal(s, h)
 
 
-def load_models(cfg, model_path, weights_path, engine):
-    """The policy (fp32 master weights), the frozen reference (kl_beta > 0 only), the tokenizer
-    and the rollout engine, which starts from (or is pushed) the policy's weights."""
+def load_models(cfg, model_path, weights_path, engine, device, problems):
+    """The policy (fp32 master weights on `device`), the frozen reference (kl_beta > 0 only),
+    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's weights.
+    vLLM's context is sized for `problems` (context_length)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
     policy.train()
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = None
     if cfg.kl_beta > 0:
-        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         reference.requires_grad_(False)
+    chat_kwargs = chat_template_kwargs(cfg)
     if engine is None and cfg.backend == "hf":
-        engine = HFRollout(None, model=policy, tokenizer=tokenizer)  # shares the policy's weights
+        engine = HFRollout(None, model=policy, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs)  # shares weights
     elif engine is None:
         engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
-                              max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib)
+                              max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
+                              kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                              sleep_level=cfg.vllm_sleep_level, chat_template_kwargs=chat_kwargs)
     elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
         engine.push_weights(policy.state_dict())
     return policy, reference, tokenizer, engine
@@ -641,7 +696,12 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     stream = PromptStream(train_set, cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step)
     model_path = resolve_model(cfg.model)
-    policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine)
+    device = pick_device(cfg.device)
+    if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
+                                                       train_set + dev_set)
+    chat_kwargs = chat_template_kwargs(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
@@ -689,8 +749,10 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
                     checkpoint()
             t0 = time.perf_counter()
             groups, info = collect_groups(engine, stream, state, cfg, reward_fn)
-            rows = training_rows(groups, cfg, tokenizer)
+            rows = training_rows(groups, cfg, tokenizer, chat_kwargs)
             t = time.perf_counter()
+            if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
+                engine.sleep()
             update = policy_update(policy, reference, optimizer, rows, cfg, pad_id)
             info["train"] = time.perf_counter() - t
             lr = optimizer.param_groups[0]["lr"]  # the lr this update used

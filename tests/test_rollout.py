@@ -148,3 +148,20 @@ def test_stop_strings_and_assistant_prefill(vllm_engine, hf_model):
     h = HFRollout(None, model=hf_model, tokenizer=tok).generate([msgs], n=1, temperature=0, max_tokens=30,
                                                                   stop=[","])[0][0]
     assert (h.text, h.finish_reason) == (v.text, v.finish_reason)
+
+
+def test_chat_template_kwargs_reach_the_template(model_path):
+    """--chat_template_kwargs (e.g. Qwen3's enable_thinking=False) is passed to the chat template
+    by encode_prompt, which both backends and the trainer use."""
+    from transformers import AutoTokenizer
+
+    from rollout import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+                         "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    plain = tok.decode(encode_prompt(tok, msgs))
+    off = tok.decode(encode_prompt(tok, msgs, {"enable_thinking": False}))
+    assert plain == "<user>What is 2 + 2?<assistant>" and off == plain + "<think></think>"

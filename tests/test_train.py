@@ -418,3 +418,47 @@ def test_resume_auto_before_the_first_checkpoint_starts_from_scratch(tiny_model,
     (tmp_path / "t" / "metrics.jsonl").write_text('{"step": 1, "partial": tru')  # a line cut by a kill
     out = train.train(tiny_config(tiny_model, tmp_path, max_steps=1, resume="auto"), reward_fn=parity_reward)
     assert out["step"] == 1 and [x["step"] for x in read_metrics(tmp_path / "t")] == [1]
+
+
+# ----------------------------------------------------------------------------- devices and engine sizing
+
+
+def test_pick_device():
+    assert train.pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert train.pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(SystemExit, match="auto | cpu | cuda"):
+        train.pick_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            train.pick_device("cuda")
+
+
+def test_chat_template_kwargs_setting():
+    assert train.chat_template_kwargs(Config()) == {}
+    assert train.chat_template_kwargs(Config(chat_template_kwargs='{"enable_thinking": false}')) == {"enable_thinking": False}
+    for bad in ("enable_thinking=false", "[1, 2]"):
+        with pytest.raises(SystemExit, match="JSON object"):
+            train.chat_template_kwargs(Config(chat_template_kwargs=bad))
+
+
+def test_context_length_covers_the_longest_prompt_template_and_answer(model_path):
+    from transformers import AutoTokenizer
+
+    from data import Problem
+    from prompts import problem_messages
+    from rollout import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    problems = [Problem("a", "What is 2 + 2?", "4"), Problem("b", "What is " + " + ".join(["7"] * 30) + "?", "210")]
+    longest = len(encode_prompt(tok, problem_messages(problems[1])))
+    grpo_cfg = Config(algo="grpo", max_tokens=100, max_template_chars=50)
+    assert train.context_length(grpo_cfg, tok, problems, {}) == longest + 50 + 2 + 100
+    assert train.context_length(Config(max_model_len=777), tok, problems, {}) == 777
+    # P²O: a real reflection prompt with answers cut to reflect_answer_chars must fit with its reply
+    cfg = Config(max_tokens=16, max_template_chars=40, reflect_answer_chars=60, reflect_max_tokens=30, gepa_minibatch=2)
+    need = train.context_length(cfg, tok, problems, {})
+    records = [train.gepa.reflection_record(p, "x9 " * 100, 60) for p in problems]
+    meta = [{"role": "user", "content": train.gepa.meta_prompt("t" * 40, records)},
+            {"role": "assistant", "content": train.gepa.DELIM_OPEN}]
+    assert len(encode_prompt(tok, meta)) + 30 <= need
+    assert need > longest + 40 + 2 + 16  # here the reflection prompt is the longer one
