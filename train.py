@@ -99,6 +99,7 @@ class Config:
     dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual)
     kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
     ppo_epochs: int = 1  # optimizer steps per rollout batch (1: the ratio is 1, see grpo.py)
+    tis_cap: float = 0.0  # truncated importance sampling vs the rollout engine: tokens x min(pi_old/pi_sampler, C); 0 = off
     # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
     tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
     gepa_min_hard: int = 20  # GEPA runs at an epoch's end only with this many hard prompts (paper 100 on 5K)
@@ -285,6 +286,7 @@ class Row:
     response_ids: list  # the sampled tokens, with the EOS that ended a finished answer
     advantage: float
     tilde_prompt_ids: list | None = None  # x~ of a distilled templated row: its CRM weights are needed
+    sampler_logp: list | None = None  # the engine's log-probs of the response, when sampled under prompt_ids
 
 
 @dataclass
@@ -297,6 +299,8 @@ class MicroBatch:
     old_logp: torch.Tensor | None = None  # [B, L-1] (ppo_epochs > 1; else the training forward's own)
     ref_logp: torch.Tensor | None = None  # [B, L-1] frozen reference (kl_beta > 0)
     crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (rows with templates)
+    sampler_logp: torch.Tensor | None = None  # [B, L-1] the rollout engine's log-probs (0 where unknown)
+    sampler_mask: torch.Tensor | None = None  # [B, L-1] bool: positions where sampler_logp is known
 
 
 # ----------------------------------------------------------------------------- model helpers
@@ -344,7 +348,7 @@ def generate_groups(engine, problems, assignment, cfg, seed):
             requests.append((i, t, templates.count(t)))
     messages = [problem_messages(problems[i], t) for i, t, _ in requests]
     out = engine.generate(messages, n=[c for _, _, c in requests], temperature=cfg.temperature,
-                          top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed)
+                          top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed, logprobs=True)
     groups = [Group(p, [], [], []) for p in problems]
     for (i, t, _), samples in zip(requests, out):
         groups[i].samples += samples
@@ -396,7 +400,7 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
                 rows.append(Row(prompt_ids, response_ids, a, s.prompt_ids if cfg.crm else None))
             else:  # plain rows, and (ablation) templated rows trained under x~
-                rows.append(Row(s.prompt_ids, s.response_ids, a))
+                rows.append(Row(s.prompt_ids, s.response_ids, a, sampler_logp=s.logprobs))
     return rows
 
 
@@ -416,6 +420,7 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
                 b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature)[0]
             if reference is not None:
                 b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature)[0]
+            b.sampler_logp, b.sampler_mask = sampler_logprobs(chunk, b.loss_mask)
             templated = [j for j, r in enumerate(chunk) if r.tilde_prompt_ids is not None]
             if templated:  # one pass: the templated rows under x, then under x~
                 prompts = [chunk[j].prompt_ids for j in templated] + [chunk[j].tilde_prompt_ids for j in templated]
@@ -431,6 +436,19 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
     return batches, crm
 
 
+def sampler_logprobs(rows, loss_mask):
+    """The rollout engine's log-probs scattered onto the padded batch: ([B, L-1] values, [B, L-1]
+    bool where known). Rows without them (distilled rows: sampled under x~, trained under x) stay 0."""
+    values = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
+    known = torch.zeros_like(loss_mask)
+    for b, row in enumerate(rows):
+        if row.sampler_logp is not None:
+            positions = loss_mask[b].nonzero().squeeze(1)  # [n_b], as many as response tokens
+            values[b, positions] = torch.tensor(row.sampler_logp, dtype=torch.float32, device=values.device)
+            known[b, positions] = True
+    return values, known
+
+
 def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, with_entropy):
     """This micro-batch's share of the step loss (summing over micro-batches gives the step
     loss), and sums for the logs. The CRM weight multiplies the policy-gradient term only; the
@@ -440,8 +458,15 @@ def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, wit
     old_logp = logp.detach() if b.old_logp is None else b.old_logp  # ppo_epochs == 1: rho == 1
     pg, clipped = grpo.ppo_clip_token_loss(logp, old_logp, b.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
     mask = b.loss_mask.float()  # [B, L-1]
-    loss = grpo.aggregate(pg, mask, cfg.loss_agg, pg_denominator, step_rows, cfg.max_tokens, b.crm_weight)
-    sums = Counter(clipped_tokens=(clipped & b.loss_mask).sum().item())
+    mismatch = (old_logp - b.sampler_logp)[b.sampler_mask]  # [n] trainer vs rollout engine, same context
+    weight = b.crm_weight
+    if cfg.tis_cap > 0:  # truncated importance sampling: the rollouts came from the engine, not pi_old
+        tis = torch.where(b.sampler_mask, (old_logp - b.sampler_logp).exp().clamp(max=cfg.tis_cap), 1.0)
+        weight = tis if weight is None else weight * tis
+    loss = grpo.aggregate(pg, mask, cfg.loss_agg, pg_denominator, step_rows, cfg.max_tokens, weight)
+    sums = Counter(clipped_tokens=(clipped & b.loss_mask).sum().item(), mismatch_tokens=mismatch.numel(),
+                   mismatch_abs_sum=mismatch.abs().sum().item())
+    sums["mismatch_abs_max"] = mismatch.abs().max().item() if mismatch.numel() else 0.0
     if b.ref_logp is not None:
         kl = grpo.k3_kl(logp, b.ref_logp)  # [B, L-1]
         loss = loss + cfg.kl_beta * grpo.aggregate(kl, mask, cfg.loss_agg, step_tokens, step_rows, cfg.max_tokens)
@@ -483,6 +508,7 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id):
                                        with_entropy=epoch == 0)
             loss.backward()
             loss_sum += loss.item()
+            sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
             sums.update(s)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() if batches else 0.0
         losses.append(loss_sum)
@@ -523,6 +549,8 @@ def step_metrics(state, groups, rows, update, info, lr, cfg):
         "reward_templated_groups": mean(t_rewards), "reward_plain_groups": mean(p_rewards),
         "crm_masked_fraction": s["crm_out_of_band_tokens"] / max(1, s["crm_templated_tokens"]),
         "crm_mean_log_ratio": s["crm_log_ratio_sum"] / max(1, s["crm_templated_tokens"]),
+        "sampler_mismatch_mean": s["mismatch_abs_sum"] / max(1, s["mismatch_tokens"]),  # |log pi_old - log pi_sampler|
+        "sampler_mismatch_max": s["mismatch_abs_max"],
         "hard_so_far": len(state.hard_now),
         **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},
         "gen_tokens_per_s": sum(lengths) / max(info["generate"], 1e-9), "skipped_steps": state.skipped_steps,

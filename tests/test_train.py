@@ -462,3 +462,26 @@ def test_context_length_covers_the_longest_prompt_template_and_answer(model_path
             {"role": "assistant", "content": train.gepa.DELIM_OPEN}]
     assert len(encode_prompt(tok, meta)) + 30 <= need
     assert need > longest + 40 + 2 + 16  # here the reflection prompt is the longer one
+
+
+def test_truncated_importance_sampling_and_the_logged_mismatch(tiny_model):
+    """Sampler log-probs = trainer log-probs - delta: the mismatch is |delta|, and with tis_cap = 2
+    each token's policy-gradient term is weighted by min(exp(delta), 2)."""
+    model = load_tiny(tiny_model)
+    Row = train.Row
+    prompts, responses = [[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]]
+    old = [lp.detach() for lp in train.row_logprobs(model, prompts, responses, 2, 1.0)]
+    deltas = [torch.tensor([0.0, math.log(1.5), math.log(3.0)]), torch.tensor([-0.5, 0.0, 0.2, 0.0])]
+    rows = [Row(p, r, a, sampler_logp=(o - d).tolist()) for p, r, a, o, d in zip(prompts, responses, [1.0, -2.0], old, deltas)]
+    cfg = update_config(tis_cap=2.0)
+    update = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, 2)
+    capped = [d.exp().clamp(max=2.0) for d in deltas]  # [1, 1.5, 2] and [e^-0.5, 1, e^0.2, 1]
+    expected = -(1.0 * capped[0].sum() - 2.0 * capped[1].sum()).item() / 7  # rho = 1; token-mean over 7 tokens
+    assert update.loss == pytest.approx(expected, abs=1e-4)
+    s = update.sums
+    assert s["mismatch_tokens"] == 7
+    assert s["mismatch_abs_sum"] / 7 == pytest.approx(sum(d.abs().sum() for d in deltas).item() / 7, abs=1e-4)
+    assert s["mismatch_abs_max"] == pytest.approx(math.log(3.0), abs=1e-4)
+    off = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, update_config(), 2)
+    assert off.loss == pytest.approx(-(1.0 * 3 - 2.0 * 4) / 7, abs=1e-4)  # tis_cap = 0: plain -A, mismatch still logged
+    assert off.sums["mismatch_tokens"] == 7
