@@ -98,7 +98,8 @@ class Config:
     eps_high: float = 0.2  # PPO clip above 1 (0.28 = DAPO clip-higher)
     dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual)
     kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
-    ppo_epochs: int = 1  # optimizer steps per rollout batch (1: the ratio is 1, see grpo.py)
+    ppo_epochs: int = 1  # passes over each rollout batch (1: the ratio is 1, see grpo.py)
+    mini_batches: int = 1  # optimizer steps per pass, each on 1/n of the groups (paper: 128 prompts, mini-batches of 64 -> 2)
     tis_cap: float = 0.0  # truncated importance sampling vs the rollout engine: tokens x min(pi_old/pi_sampler, C); 0 = off
     # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
     tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
@@ -176,6 +177,8 @@ def check_config(cfg):
     pick_device(cfg.device)
     if cfg.algo not in ("p2o", "grpo"):
         raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
+    if cfg.ppo_epochs < 1 or cfg.mini_batches < 1:
+        raise SystemExit("--ppo_epochs and --mini_batches must be >= 1")
     if cfg.crm_denominator not in ("all", "kept") or (cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean"):
         raise SystemExit("--crm_denominator is all | kept, and kept needs --loss_agg=token-mean")
 
@@ -287,6 +290,7 @@ class Row:
     advantage: float
     tilde_prompt_ids: list | None = None  # x~ of a distilled templated row: its CRM weights are needed
     sampler_logp: list | None = None  # the engine's log-probs of the response, when sampled under prompt_ids
+    group: int = 0  # index of its group in the step (mini-batches never split a group)
 
 
 @dataclass
@@ -392,15 +396,15 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
     adv = grpo.group_advantages(rewards, cfg.adv_norm)  # [G, K]
     rows = []
-    for g, group_adv in zip(groups, adv.tolist()):
+    for gi, (g, group_adv) in enumerate(zip(groups, adv.tolist())):
         distilled = any(g.templates) and cfg.context_distill
         plain_ids = encode_prompt(tokenizer, problem_messages(g.problem), chat_kwargs) if distilled else None
         for s, t, a in zip(g.samples, g.templates, group_adv):
             if t and distilled:
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
-                rows.append(Row(prompt_ids, response_ids, a, s.prompt_ids if cfg.crm else None))
+                rows.append(Row(prompt_ids, response_ids, a, s.prompt_ids if cfg.crm else None, group=gi))
             else:  # plain rows, and (ablation) templated rows trained under x~
-                rows.append(Row(s.prompt_ids, s.response_ids, a, sampler_logp=s.logprobs))
+                rows.append(Row(s.prompt_ids, s.response_ids, a, sampler_logp=s.logprobs, group=gi))
     return rows
 
 
@@ -416,7 +420,7 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
             ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(
                 [r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad_id))
             b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk], device=device))
-            if cfg.ppo_epochs > 1:
+            if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:  # later optimizer steps need pre-update log-probs
                 b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature)[0]
             if reference is not None:
                 b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature)[0]
@@ -480,46 +484,54 @@ def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, wit
 class Update:
     """What one policy update did."""
     finite: bool  # False: skipped, no trace left in the weights or the optimizer
-    loss: float  # step loss, mean over PPO epochs
-    grad_norm: float  # before clipping, last PPO epoch
+    loss: float  # loss of an optimizer step, mean over the call's steps (PPO epochs x mini-batches)
+    grad_norm: float  # before clipping, last optimizer step
     trained_rows: int  # rows forwarded (the others had zero advantage and no KL term)
     sums: Counter  # clipped_tokens, kl_sum, entropy_sum / entropy_tokens (first epoch), crm_*
 
 
 def policy_update(policy, reference, optimizer, rows, cfg, pad_id):
-    """ppo_epochs AdamW steps on the PPO-clip loss of all rows, token-mean over the WHOLE step
-    whatever the micro-batch split. A non-finite loss or gradient in any epoch restores the
-    weights and optimizer state of before the call (snapshot when ppo_epochs > 1)."""
-    step_tokens, step_rows = sum(len(r.response_ids) for r in rows), len(rows)
-    trained = [r for r in rows if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
-    batches, crm = micro_batches(trained, policy, reference, cfg, pad_id)
-    kept = step_tokens - crm.templated_tokens + crm.weight_sum  # the CRM weight mass of the step
-    pg_denominator = kept if cfg.crm_denominator == "kept" else step_tokens
+    """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
+    whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
+    token-mean over ITS whole mini-batch, whatever the micro-batch split; after the first step
+    the PPO ratio is taken against the log-probs stored before the update. A non-finite loss or
+    gradient in any step restores the weights and optimizer state of before the call."""
+    n_groups = max((r.group for r in rows), default=0) + 1
+    size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
+    parts, sums = [], Counter()
+    for lo in range(0, n_groups, size):
+        part = [r for r in rows if lo <= r.group < lo + size]
+        trained = [r for r in part if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
+        batches, crm = micro_batches(trained, policy, reference, cfg, pad_id)
+        tokens = sum(len(r.response_ids) for r in part)
+        kept = tokens - crm.templated_tokens + crm.weight_sum  # the CRM weight mass of the mini-batch
+        parts.append((batches, tokens, len(part), kept if cfg.crm_denominator == "kept" else tokens, len(trained)))
+        sums.update({f"crm_{k}": v for k, v in fields_of(crm).items()})
     snapshot = None
-    if cfg.ppo_epochs > 1:
+    if cfg.ppo_epochs * len(parts) > 1:
         snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
-    sums = Counter({f"crm_{k}": v for k, v in fields_of(crm).items()})
-    losses, grad_norm = [], 0.0
+    losses, grad_norm, n_trained = [], 0.0, sum(p[4] for p in parts)
     for epoch in range(cfg.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for b in batches:
-            loss, s = micro_batch_loss(policy, b, cfg, max(pg_denominator, 1e-9), step_tokens, step_rows,
-                                       with_entropy=epoch == 0)
-            loss.backward()
-            loss_sum += loss.item()
-            sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
-            sums.update(s)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() if batches else 0.0
-        losses.append(loss_sum)
-        if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        for batches, tokens, n_rows, pg_denominator, _ in parts:
             optimizer.zero_grad(set_to_none=True)
-            if snapshot is not None:  # undo the earlier PPO epochs of this step
-                policy.load_state_dict(snapshot[0])
-                optimizer.load_state_dict(snapshot[1])
-            return Update(False, loss_sum, grad_norm, len(trained), sums)
-        optimizer.step()
-    return Update(True, sum(losses) / len(losses), grad_norm, len(trained), sums)
+            loss_sum = 0.0
+            for b in batches:
+                loss, s = micro_batch_loss(policy, b, cfg, max(pg_denominator, 1e-9), tokens, n_rows,
+                                           with_entropy=epoch == 0)
+                loss.backward()
+                loss_sum += loss.item()
+                sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
+                sums.update(s)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() if batches else 0.0
+            losses.append(loss_sum)
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                if snapshot is not None:  # undo this call's earlier optimizer steps
+                    policy.load_state_dict(snapshot[0])
+                    optimizer.load_state_dict(snapshot[1])
+                return Update(False, loss_sum, grad_norm, n_trained, sums)
+            optimizer.step()
+    return Update(True, sum(losses) / len(losses), grad_norm, n_trained, sums)
 
 
 def step_metrics(state, groups, rows, update, info, lr, cfg):

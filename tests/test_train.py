@@ -254,6 +254,7 @@ def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_p
     dict(same_template_per_group=True, crm=False),
     dict(adv_norm="none", loss_agg="seq-mean-token-sum-norm", gradient_checkpointing=True),
     dict(loss_agg="seq-mean-token-mean", algo="grpo"),
+    dict(mini_batches=2, tis_cap=2.0),
 ])
 def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
     data = small_data(tmp_path)
@@ -485,3 +486,39 @@ def test_truncated_importance_sampling_and_the_logged_mismatch(tiny_model):
     off = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, update_config(), 2)
     assert off.loss == pytest.approx(-(1.0 * 3 - 2.0 * 4) / 7, abs=1e-4)  # tis_cap = 0: plain -A, mismatch still logged
     assert off.sums["mismatch_tokens"] == 7
+
+
+def test_two_mini_batches_take_two_steps_the_second_off_policy(tiny_model):
+    """mini_batches=2: one optimizer step on each half of the groups, each token-mean over its own
+    tokens; the second step's ratio is against the log-probs from before the first step. Checked
+    against the same two SGD steps written out with full-logits log-probs."""
+    import copy
+
+    Row = train.Row
+    rows = [Row([5, 6, 7], [9, 10, 2], 1.0, group=0), Row([5, 6, 7], [11, 2], -1.0, group=0),
+            Row([8, 4], [12, 13, 14, 2], 0.5, group=1), Row([8, 4], [15, 2], -0.5, group=1)]
+    cfg = update_config(mini_batches=2, grad_clip=1e9, eps_low=0.01, eps_high=0.01)
+    model = load_tiny(tiny_model)
+    manual = copy.deepcopy(model)
+    train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.5), rows, cfg, 2)
+
+    def logp_of(m, part):
+        ids, attention, response = train.grpo.make_batch([r.prompt_ids for r in part], [r.response_ids for r in part], 2)
+        mask = response[:, 1:]
+        logits = m(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        return train.grpo.token_logprobs(logits, ids[:, 1:], 1.0), mask.float()
+
+    halves = [rows[:2], rows[2:]]
+    with torch.no_grad():
+        old = [logp_of(manual, h)[0] for h in halves]  # stored before the first step
+    sgd = torch.optim.SGD(manual.parameters(), lr=0.5)
+    for half, old_logp in zip(halves, old):
+        sgd.zero_grad()
+        logp, mask = logp_of(manual, half)
+        loss, _ = train.grpo.ppo_clip_token_loss(logp, old_logp, torch.tensor([r.advantage for r in half]), 0.01, 0.01)
+        ((loss * mask).sum() / mask.sum()).backward()  # token-mean over this mini-batch only
+        sgd.step()
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), manual.parameters()))
+    assert worst < 1e-5
+    moved = load_tiny(tiny_model)
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), moved.parameters())) > 1e-3
