@@ -3,7 +3,7 @@
     runs/<run_name>/
         ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is)
                               + trainer.pt: config, loop state, optimizer, scheduler, RNG states
-        latest                the name of the newest checkpoint (one line)
+        latest, best          the name of the newest / best-dev checkpoint (one line each)
         metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
         dev.jsonl             one line per dev eval    tb/              TensorBoard events
         gepa-epoch-N.json     one GEPA round           abandoned/       what a resume set aside
@@ -55,8 +55,13 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer):
             policy.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             torch.save(trainer, os.path.join(tmp, "trainer.pt"))
-    write_atomic(os.path.join(run_dir, "latest"), lambda tmp: open(tmp, "w").write(name + "\n"))
+    point(run_dir, "latest", step)
     return path
+
+
+def point(run_dir, pointer, step):
+    """Write the one-line file `pointer` (latest, best) naming ckpt-<step>, atomically."""
+    write_atomic(os.path.join(run_dir, pointer), lambda tmp: open(tmp, "w").write(f"ckpt-{step:06d}\n"))
 
 
 def load_trainer_state(path):
@@ -113,6 +118,13 @@ def start_branch(run_dir, step, epoch, resumed_from):
         if stale:
             os.makedirs(trash, exist_ok=True)
             os.rename(path, os.path.join(trash, name))
+    kept = [n for n in map(checkpoint_step, os.listdir(run_dir)) if n is not None]
+    for name in ("latest", "best"):  # a pointer into what was set aside points nowhere now
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path) and not os.path.isdir(os.path.join(run_dir, open(path).read().strip())):
+            os.remove(path)
+            if name == "latest" and kept:  # --resume=auto must still find this branch's newest
+                point(run_dir, "latest", max(kept))
     for name in LOG_FILES:
         path = os.path.join(run_dir, name)
         if not os.path.isfile(path):

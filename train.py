@@ -64,7 +64,7 @@ from model import resolve_model
 from plot import plot_run
 from prompts import problem_messages
 from rollout import HFRollout, encode_prompt, make_rollout
-from runs import RunLog, load_trainer_state, resolve_resume, save_checkpoint, start_branch, write_atomic
+from runs import RunLog, load_trainer_state, point, resolve_resume, save_checkpoint, start_branch, write_atomic
 from verify import reward as verify_reward
 
 
@@ -74,6 +74,7 @@ class Config:
     model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
     train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
     dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
+    dev_holdout: int = 0  # > 0: hold this many train problems out (seeded) as the dev set instead (official code: 500)
     chat_template_kwargs: str = ""  # JSON for the chat template, e.g. '{"enable_thinking": false}' (Qwen3 non-thinking)
     device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
     backend: str = "vllm"  # rollout engine: vllm | hf
@@ -227,6 +228,15 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     return need
 
 
+def hold_out(problems, n, seed):
+    """(train, dev): n problems drawn (seeded, own stream) as an in-distribution dev set, the rest to train."""
+    if not 0 < n < len(problems):
+        raise SystemExit(f"--dev_holdout={n} must be between 1 and {len(problems) - 1} (the train set has {len(problems)})")
+    order = random.Random(f"holdout/{seed}").sample(range(len(problems)), len(problems))
+    held = set(order[:n])
+    return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
+
+
 # ----------------------------------------------------------------------------- state and records
 
 
@@ -272,6 +282,8 @@ class LoopState:
     assignment: dict = field(default_factory=dict)  # id -> K templates, from the last GEPA round
     counts: Counter = field(default_factory=Counter)  # rollouts / tokens / reflection calls by category
     gepa_history: list = field(default_factory=list)  # one summary per epoch end
+    best_dev: float = -1.0  # best dev greedy accuracy after a training step so far ...
+    best_step: int = -1  # ... and its step: ckpt-<best_step> is `best`
 
 
 @dataclass
@@ -732,6 +744,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     # ---- data, models, optimizer
     train_set = load_jsonl(cfg.train_data)[0]
     dev_set = load_jsonl(cfg.dev_data)[0] if cfg.dev_data else []
+    if cfg.dev_holdout:
+        train_set, dev_set = hold_out(train_set, cfg.dev_holdout, cfg.seed)
     by_id = {p.id: p for p in train_set}
     stream = PromptStream(train_set, cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step)
@@ -753,6 +767,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     if saved:
         print(f"resuming from {resume_path} at step {state.step}")
     start_branch(run_dir, state.step if saved else -1, state.epoch, resume_path)  # a fresh run keeps nothing
+    if state.best_step >= 0:
+        point(run_dir, "best", state.best_step)
     log = RunLog(run_dir, state.step, cfg)
 
     def checkpoint():  # everything a resume needs (restore() reads it back), one name per step
@@ -769,6 +785,10 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
         log.dev(state.step, overall)
         tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
                    (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
+        if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
+            state.best_dev, state.best_step = overall["greedy"], state.step
+            checkpoint()
+            point(run_dir, "best", state.step)
         return overall
 
     stop = StopSignal()

@@ -72,3 +72,17 @@ def test_resolve_resume(tmp_path):
     assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000010")
     with pytest.raises(SystemExit, match="run_name"):
         resolve_resume(Config(resume="auto"))
+
+
+def test_pointers_into_what_was_set_aside_are_removed(tmp_path):
+    run = tmp_path / "run"
+    for name in ("ckpt-000002", "ckpt-000004"):
+        (run / name).mkdir(parents=True)
+    (run / "latest").write_text("ckpt-000004\n")
+    (run / "best").write_text("ckpt-000002\n")
+    start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
+    assert (run / "latest").read_text() == "ckpt-000002\n"  # --resume=auto finds the new branch
+    assert (run / "best").read_text() == "ckpt-000002\n"
+    (run / "best").write_text("ckpt-000004\n")
+    start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
+    assert not (run / "best").exists()  # train.py re-points it from its LoopState

@@ -522,3 +522,26 @@ def test_two_mini_batches_take_two_steps_the_second_off_policy(tiny_model):
     assert worst < 1e-5
     moved = load_tiny(tiny_model)
     assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), moved.parameters())) > 1e-3
+
+
+def test_hold_out_is_a_seeded_disjoint_split():
+    items = list(range(20))
+    train_part, dev_part = train.hold_out(items, 5, seed=1)
+    assert len(dev_part) == 5 and sorted(train_part + dev_part) == items
+    assert train.hold_out(items, 5, seed=1) == (train_part, dev_part)
+    assert train.hold_out(items, 5, seed=2)[1] != dev_part
+    with pytest.raises(SystemExit, match="dev_holdout"):
+        train.hold_out(items, 20, seed=1)
+
+
+def test_best_dev_checkpoint_is_kept_and_named(tiny_model, tmp_path):
+    """The first dev evaluation after training is the best so far (a random tiny model scores 0
+    throughout, and only a strictly better score moves `best`): ckpt-2 is saved and named `best`."""
+    cfg = tiny_config(tiny_model, tmp_path, train_data=small_data(tmp_path), dev_holdout=2, eval_every=2, eval_k=0,
+                      max_steps=4, save_every=0, prompts_per_step=2)
+    train.train(cfg, reward_fn=parity_reward)
+    run = tmp_path / "t"
+    assert (run / "best").read_text().strip() == "ckpt-000002" and (run / "ckpt-000002" / "model.safetensors").exists()
+    assert [json.loads(x)["step"] for x in (run / "dev.jsonl").read_text().splitlines()] == [0, 2, 4]
+    loop = torch.load(run / "ckpt-000004" / "trainer.pt", weights_only=False)["loop"]
+    assert (loop["best_step"], loop["best_dev"]) == (2, 0.0)
