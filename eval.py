@@ -24,7 +24,7 @@ from collections import defaultdict
 
 from data import DataError, load_jsonl
 from model import resolve_model
-from prompts import problem_messages
+from prompts import FORMATS, problem_messages
 from rollout import make_rollout
 from verify import check
 
@@ -89,10 +89,11 @@ def summarize(greedy, sampled, k):
     return row
 
 
-def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None):
+def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
+             prompt_format="default"):
     """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given).
     Returns (overall row, {source: row}, records); records hold greedy then sampled responses."""
-    messages = [problem_messages(p) for p in problems]
+    messages = [problem_messages(p, fmt=prompt_format) for p in problems]
     greedy = score_groups(problems, messages, engine.generate(
         messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     sampled = score_groups(problems, messages, engine.generate(
@@ -129,6 +130,7 @@ def main(argv=None):
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt_format", default="default", choices=FORMATS, help="as train.py's --prompt_format")
     ap.add_argument("--skip_bad", action="store_true", help="skip malformed data rows (counted)")
     ap.add_argument("--out", default=None, help="results JSON (default out/eval-<time>.json)")
     args = ap.parse_args(argv)
@@ -152,7 +154,7 @@ def main(argv=None):
         k = default_k(len(problems)) if args.k is None else args.k
         print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else ""))
         overall, by_source, records = evaluate(engine, problems, k, args.temperature, args.top_p,
-                                               args.max_tokens, seed=args.seed)
+                                               args.max_tokens, seed=args.seed, prompt_format=args.prompt_format)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
         all_records[name] = records
         table[name] = overall

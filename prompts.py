@@ -8,9 +8,16 @@ The answer-format instruction belongs to the original user text, never to the te
 evolved template cannot break answer extraction (docs/METHOD.md §2). With `fewshot=True` three worked
 one-step examples come first as earlier chat turns: the 135M default model almost never writes
 \\boxed{} otherwise (measured: README, "Default model and data"). They are used for the built-in task only (`problem_messages`).
+
+Two prompt formats (`fmt`, train.py's --prompt_format):
+    default   "<problem>\nPut the final answer in \\boxed{}."      (+ the few-shot turns for built-in rows)
+    official  "Let's think step by step and output the final answer within \\boxed{}.\nQuestion: <problem>"
+              (the P²O reference code's data preparation; no few-shot turns)
 """
 
 FORMAT_INSTRUCTION = "Put the final answer in \\boxed{}."
+OFFICIAL_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+FORMATS = ("default", "official")
 
 FEWSHOT = [  # (question, worked answer); no built-in problem repeats these (data/builtin.py)
     ("What is 2 + 3?", "2 + 3 = 5. The answer is \\boxed{5}."),
@@ -19,8 +26,12 @@ FEWSHOT = [  # (question, worked answer); no built-in problem repeats these (dat
 ]
 
 
-def user_text(problem):
-    """The original user text x: the problem followed by the answer-format instruction."""
+def user_text(problem, fmt="default"):
+    """The original user text x: the problem and the answer-format instruction, in format `fmt`."""
+    if fmt == "official":
+        return OFFICIAL_INSTRUCTION + "\nQuestion: " + problem.strip()
+    if fmt != "default":
+        raise ValueError(f"prompt format must be one of {FORMATS}, got {fmt!r}")
     return problem.strip() + "\n" + FORMAT_INSTRUCTION
 
 
@@ -29,19 +40,19 @@ def apply_template(text, template):
     return text if not template.strip() else template.strip() + "\n\n" + text
 
 
-def build_messages(problem, template="", fewshot=False):
+def build_messages(problem, template="", fewshot=False, fmt="default"):
     """Chat messages for one problem, optionally templated and with the few-shot turns first."""
     messages = []
     if fewshot:
         for question, answer in FEWSHOT:
             messages.append({"role": "user", "content": user_text(question)})
             messages.append({"role": "assistant", "content": answer})
-    messages.append({"role": "user", "content": apply_template(user_text(problem), template)})
+    messages.append({"role": "user", "content": apply_template(user_text(problem, fmt), template)})
     return messages
 
 
-def problem_messages(p, template=""):
+def problem_messages(p, template="", fmt="default"):
     """Messages for a data row (data.Problem): the few-shot turns are part of the built-in
-    task's prompt format only, so rows from other sources get none."""
-    fewshot = bool(p.source) and p.source.startswith("builtin")
-    return build_messages(p.problem, template, fewshot)
+    task's default prompt format only, so rows from other sources (or the official format) get none."""
+    fewshot = fmt == "default" and bool(p.source) and p.source.startswith("builtin")
+    return build_messages(p.problem, template, fewshot, fmt)

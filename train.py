@@ -62,7 +62,7 @@ from data import load_jsonl
 from eval import evaluate
 from model import resolve_model
 from plot import plot_run
-from prompts import problem_messages
+from prompts import FORMATS, problem_messages
 from rollout import HFRollout, encode_prompt, make_rollout
 from runs import RunLog, load_trainer_state, point, resolve_resume, save_checkpoint, start_branch, write_atomic
 from verify import reward as verify_reward
@@ -75,6 +75,7 @@ class Config:
     train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
     dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
     dev_holdout: int = 0  # > 0: hold this many train problems out (seeded) as the dev set instead (official code: 500)
+    prompt_format: str = "default"  # default: problem + boxed instruction (+ few-shot for built-in rows) | official: the P²O code's
     chat_template_kwargs: str = ""  # JSON for the chat template, e.g. '{"enable_thinking": false}' (Qwen3 non-thinking)
     device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
     backend: str = "vllm"  # rollout engine: vllm | hf
@@ -176,6 +177,8 @@ def parse_overrides(cfg, argv):
 def check_config(cfg):
     chat_template_kwargs(cfg)
     pick_device(cfg.device)
+    if cfg.prompt_format not in FORMATS:
+        raise SystemExit(f"--prompt_format is one of {FORMATS}, got {cfg.prompt_format!r}")
     if cfg.algo not in ("p2o", "grpo"):
         raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
     if cfg.ppo_epochs < 1 or cfg.mini_batches < 1:
@@ -216,7 +219,8 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     (one token a character) + reflect_max_tokens."""
     if cfg.max_model_len:
         return cfg.max_model_len
-    lengths = sorted((len(encode_prompt(tokenizer, problem_messages(p), chat_kwargs)), i) for i, p in enumerate(problems))
+    lengths = sorted((len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs)), i)
+                     for i, p in enumerate(problems))
     need = lengths[-1][0] + cfg.max_template_chars + 2 + cfg.max_tokens
     if cfg.algo == "p2o":
         longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
@@ -362,7 +366,7 @@ def generate_groups(engine, problems, assignment, cfg, seed):
         templates = assignment.get(p.id) or [""] * cfg.group_size
         for t in dict.fromkeys(templates):  # distinct templates, first-seen order
             requests.append((i, t, templates.count(t)))
-    messages = [problem_messages(problems[i], t) for i, t, _ in requests]
+    messages = [problem_messages(problems[i], t, cfg.prompt_format) for i, t, _ in requests]
     out = engine.generate(messages, n=[c for _, _, c in requests], temperature=cfg.temperature,
                           top_p=cfg.top_p, max_tokens=cfg.max_tokens, seed=seed, logprobs=True)
     groups = [Group(p, [], [], []) for p in problems]
@@ -410,7 +414,8 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     rows = []
     for gi, (g, group_adv) in enumerate(zip(groups, adv.tolist())):
         distilled = any(g.templates) and cfg.context_distill
-        plain_ids = encode_prompt(tokenizer, problem_messages(g.problem), chat_kwargs) if distilled else None
+        plain_ids = encode_prompt(tokenizer, problem_messages(g.problem, fmt=cfg.prompt_format), chat_kwargs) \
+            if distilled else None
         for s, t, a in zip(g.samples, g.templates, group_adv):
             if t and distilled:
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
@@ -589,7 +594,7 @@ def step_metrics(state, groups, rows, update, info, lr, cfg):
 def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, reward_fn, reflect_override=None):
     """Run GEPA on this epoch's hard prompts with the current policy answering; return the result."""
     def answer_fn(pairs, kind):
-        msgs = [problem_messages(item, t) for t, item in pairs]
+        msgs = [problem_messages(item, t, cfg.prompt_format) for t, item in pairs]
         out = engine.generate(msgs, n=1, temperature=0.0, max_tokens=cfg.max_tokens)
         counts[f"{kind}_rollouts"] += len(pairs)
         counts[f"{kind}_tokens"] += sum(len(g[0].response_ids) for g in out)
@@ -781,7 +786,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
         if not dev_set:
             return {}
         overall, _, _ = evaluate(engine, dev_set, k=cfg.eval_k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 max_tokens=cfg.max_tokens, progress=False, seed=cfg.seed * 100_003 + state.step)
+                                 max_tokens=cfg.max_tokens, progress=False, seed=cfg.seed * 100_003 + state.step,
+                                 prompt_format=cfg.prompt_format)
         log.dev(state.step, overall)
         tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
                    (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))

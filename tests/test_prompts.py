@@ -1,5 +1,7 @@
 """prompts.py: the original user text, template application T(x, z), and the few-shot turns of the built-in task."""
 
+import pytest
+
 from data import Problem
 from prompts import FEWSHOT, FORMAT_INSTRUCTION, apply_template, build_messages, problem_messages, user_text
 
@@ -32,3 +34,13 @@ def test_templated_builtin_row_changes_only_the_last_turn():
     plain, templated = problem_messages(row), problem_messages(row, "Multiply first.")
     assert plain[:-1] == templated[:-1]
     assert templated[-1]["content"] == "Multiply first.\n\n" + plain[-1]["content"]
+
+
+def test_official_prompt_format():
+    row = Problem("b3", " What is 7 + 4 × 3? ", "19", source="builtin/two_step")
+    official = problem_messages(row, fmt="official")
+    text = "Let's think step by step and output the final answer within \\boxed{}.\nQuestion: What is 7 + 4 × 3?"
+    assert official == [{"role": "user", "content": text}]  # no few-shot turns in the official format
+    assert problem_messages(row, "Multiply first.", "official")[-1]["content"] == "Multiply first.\n\n" + text
+    with pytest.raises(ValueError, match="prompt format"):
+        problem_messages(row, fmt="chatml")

@@ -254,7 +254,7 @@ def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_p
     dict(same_template_per_group=True, crm=False),
     dict(adv_norm="none", loss_agg="seq-mean-token-sum-norm", gradient_checkpointing=True),
     dict(loss_agg="seq-mean-token-mean", algo="grpo"),
-    dict(mini_batches=2, tis_cap=2.0),
+    dict(mini_batches=2, tis_cap=2.0, prompt_format="official"),
 ])
 def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
     data = small_data(tmp_path)
