@@ -1,0 +1,188 @@
+"""Multi-process training helpers for `torchrun --nproc_per_node=N train.py`: process group,
+FSDP2 sharding, small collectives, full state dicts, gradient clipping, work split.
+
+Every function is the identity or a no-op in a single process (WORLD_SIZE unset or 1), so the
+trainer calls them unconditionally and a plain `python train.py` never touches
+torch.distributed.
+
+The loss convention the sharding relies on: each rank divides its loss by the token count of
+the WHOLE step (all ranks, all micro-batches; `all_sum` of the local counts), so the step's
+gradient is the SUM of the ranks' gradients, never their mean (see `shard`).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def world_size():
+    """WORLD_SIZE as torchrun sets it; 1 without torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def active():
+    """True when running under torchrun with more than one process and the group is up."""
+    return world_size() > 1 and dist.is_available() and dist.is_initialized()
+
+
+def setup(device_type):
+    """Join the process group -> (rank, world, device). NCCL for cuda (one GPU per process,
+    cuda:LOCAL_RANK), gloo for cpu. Single process: (0, 1, torch.device(device_type))."""
+    world = world_size()
+    if world <= 1:
+        return 0, 1, torch.device(device_type)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # object collectives and NCCL use the current device
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device(device_type)
+        dist.init_process_group("gloo")
+    return rank, world, device
+
+
+def teardown():
+    """Leave the process group (no-op when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank():
+    """This process's rank; 0 in a single process."""
+    return dist.get_rank() if active() else 0
+
+
+def is_main():
+    """True on rank 0 (and in a single process): the one that logs, saves and evaluates."""
+    return rank() == 0
+
+
+def barrier():
+    """Wait for every rank."""
+    if active():
+        dist.barrier()
+
+
+def _scalar_device():
+    """Where a collective's scalar tensor must live: NCCL only reduces CUDA tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce_scalar(x, op):
+    """Reduce a python number over the ranks in float64 (integers exact up to 2**53); an int
+    in gives an int out."""
+    if not active():
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64, device=_scalar_device())
+    dist.all_reduce(t, op=op)
+    return int(t.item()) if isinstance(x, int) and not isinstance(x, bool) else t.item()
+
+
+def all_sum(x):
+    """Global sum of a python float or int (e.g. the step's token count)."""
+    return _all_reduce_scalar(x, dist.ReduceOp.SUM)
+
+
+def all_max(x):
+    """Global max of a python float or int."""
+    return _all_reduce_scalar(x, dist.ReduceOp.MAX)
+
+
+def gather_objects(obj):
+    """Every rank's picklable `obj`, in rank order, on every rank; [obj] in a single process."""
+    if not active():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src=0):
+    """Rank `src`'s picklable `obj` on every rank (the others' argument is ignored)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def split(items, rank, world):
+    """This rank's share of a step's items, items[rank::world]: whole groups per rank (pass the
+    groups, not the rows, so a group's advantages are never split), counts differing by one at
+    most. The shares may hold different token counts; the global token-mean divides them out."""
+    return items[rank::world]
+
+
+def shard(model, reshard_after_forward=True):
+    """FSDP2 (`fully_shard`) on each decoder layer (model.model.layers), then on the root.
+    Returns the model (the same object, now an FSDPModule). Identity in a single process.
+
+    Mixed precision: param_dtype stays fp32 (None: the parameters' own dtype). Training keeps
+    fp32 master weights and runs the forward under bf16 autocast, which casts each matmul's
+    inputs to bf16 itself while the embedding output, the residual stream and the norm weights
+    stay fp32. FSDP-cast bf16 parameters would make all of those bf16 (and the gradients too),
+    so the sharded run would no longer compute what the single-device run computes. The price
+    is an fp32 all-gather (2x the bytes of bf16). reduce_dtype = fp32: gradients are summed in
+    full precision.
+
+    Gradients are SUMMED across ranks: FSDP2 divides the reduce-scatter by the world size by
+    default (ReduceOp.AVG), but each rank's loss is already divided by the GLOBAL token count.
+    In torch 2.13 (_fully_shard/_fsdp_collectives.py, _get_gradient_divide_factors) a divide
+    factor of 1.0 alone picks ReduceOp.PREMUL_SUM(1/1.0), which gloo does not implement;
+    adding set_force_sum_reduction_for_comms(True) takes the branch that reduces with plain
+    ReduceOp.SUM and post-divides by 1.0, which `_div_if_needed` skips. Both setters act on
+    one FSDP module's own parameter group, so they are applied to every sharded module.
+
+    Tied embeddings (lm_head.weight is model.embed_tokens.weight): neither module is sharded
+    on its own, so the shared parameter belongs to the root's group once and the tie holds.
+    """
+    if not active():
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_state_dict(model):
+    """{HF name: full tensor} on EVERY rank (each rank pushes weights into its own inference
+    engine; rank 0 also saves). cpu_offload=False on purpose: with cpu_offload=True only rank 0
+    would receive tensors. The tensors sit on the model's device; the keys are the plain module
+    names (fully_shard adds no prefix), tied weights under both names as in model.state_dict().
+    Single process: model.state_dict() itself (no copies)."""
+    if not active():
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
+def clip_grad_norm(model, max_norm):
+    """Scale the gradients so their global L2 norm is at most max_norm; returns that norm
+    (before clipping) as a float, the same on every rank. Under FSDP2 the gradients are
+    DTensor shards and the norm comes back as a DTensor holding per-rank partial results;
+    full_tensor() reduces it, so the clip coefficient is the global one everywhere. A
+    collective: every rank calls it after the same backward passes (FSDP2 gives every rank
+    gradients then, or none)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # tied weights counted once
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(total, "full_tensor"):  # DTensor
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return total.item()
