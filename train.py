@@ -427,8 +427,9 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
 
 def micro_batches(rows, policy, reference, cfg, pad_id):
     """Rows -> right-padded micro-batches carrying what the loss needs from the pre-update
-    weights: old log-probs (ppo_epochs > 1), reference log-probs (kl_beta > 0) and CRM weights
-    (from the old log-probs of the same response tokens under x and x~). Returns (batches, CrmSums)."""
+    weights: old log-probs (more than one optimizer step per batch), reference log-probs
+    (kl_beta > 0), CRM weights (from the old log-probs of the same response tokens under x and
+    x~), and the rollout engine's own log-probs (mismatch, TIS). Returns (batches, CrmSums)."""
     rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))  # less padding
     batches, crm, device = [], distill.CrmSums(), next(policy.parameters()).device
     with torch.no_grad(), autocast(cfg, device):
