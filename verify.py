@@ -191,10 +191,10 @@ def serve():
     """Child process loop: one JSON [gold, pred] per stdin line -> one JSON outcome per stdout
     line ('equivalent' | 'not_equivalent' | 'unparsable' | 'timeout'). math-verify runs in the
     child's main thread (its own signal timeouts work there) with the address space capped."""
-    import resource  # the child's own imports: loaded after the cap, so they live under it too
+    import resource  # the child's own imports, here rather than at the top: only the child needs them
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify import LatexExtractionConfig, parse, verify  # after the cap: sympy's memory lives under it
 
     # LaTeX only: the ExprExtractionConfig fallback would call sympy's parse_expr (eval-based)
     config = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=True)]
