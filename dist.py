@@ -44,8 +44,9 @@ def setup(device_type):
 
 
 def teardown():
-    """Leave the process group (no-op when there is none)."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group that setup() joined. A no-op in a single process, where a group,
+    if any, belongs to someone else (an in-process vLLM engine initialises its own)."""
+    if active():
         dist.destroy_process_group()
 
 

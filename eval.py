@@ -3,6 +3,7 @@
     python eval.py                                         # default model, built-in test split
     python eval.py --model=runs/x/ckpt-000030 --data=aime24,math500 --out=out/eval.json
     python eval.py --data=builtin-test --k=16 --temperature=0.6
+    torchrun --nproc_per_node=8 eval.py --model=Qwen/Qwen3-4B --data=aime24   # one engine per GPU, rank 0 writes
 
 Protocol (the paper's; docs/METHOD.md §6): a benchmark with fewer than 100 problems is scored by avg@16 at
 temperature 0.6, a larger one greedily; `--k` overrides (0 = greedy only). Greedy accuracy is
@@ -21,7 +22,9 @@ import sys
 import time
 from collections import defaultdict
 
+import torch
 
+import dist
 from data import DataError, load_jsonl
 from model import resolve_model
 from prompts import FORMATS, problem_messages
@@ -89,23 +92,33 @@ def summarize(greedy, sampled, k):
     return row
 
 
-def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
-             prompt_format="default"):
-    """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given).
-    Returns (overall row, {source: row}, records); records hold greedy then sampled responses."""
+def answer_records(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True,
+                   seed=None, prompt_format="default"):
+    """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given):
+    one record per problem, its greedy response first, the samples under "sampled"."""
     messages = [problem_messages(p, fmt=prompt_format) for p in problems]
     greedy = score_groups(problems, messages, engine.generate(
         messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     sampled = score_groups(problems, messages, engine.generate(
         messages, n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
         progress=progress, seed=seed)) if k else [None] * len(problems)
-    by_source = defaultdict(lambda: ([], []))
-    for g, s in zip(greedy, sampled):
-        by_source[g["source"] or "-"][0].append(g)
-        by_source[g["source"] or "-"][1].append(s)
-    rows = {src: summarize(g, s, k) for src, (g, s) in by_source.items()}  # data order
-    records = [{**g, "sampled": s} for g, s in zip(greedy, sampled)]
-    return summarize(greedy, sampled, k), rows, records
+    return [{**g, "sampled": s} for g, s in zip(greedy, sampled)]
+
+
+def summarize_records(records, k):
+    """(overall row, {source: row}) of answer_records' records (sources in data order)."""
+    by_source = defaultdict(list)
+    for r in records:
+        by_source[r["source"] or "-"].append(r)
+    rows = {src: summarize(rs, [r["sampled"] for r in rs], k) for src, rs in by_source.items()}
+    return summarize(records, [r["sampled"] for r in records], k), rows
+
+
+def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
+             prompt_format="default"):
+    """answer_records + summarize_records: (overall row, {source: row}, records)."""
+    records = answer_records(engine, problems, k, temperature, top_p, max_tokens, progress, seed, prompt_format)
+    return (*summarize_records(records, k), records)
 
 
 def format_table(rows):
@@ -146,21 +159,31 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    # under torchrun each rank answers every world-th problem with its own engine; rank 0 merges and writes
+    rank, world, _ = dist.setup("cuda" if torch.cuda.is_available() else "cpu")
     model_path = resolve_model(args.model)
-    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed)
+    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed + rank)
     out = args.out or os.path.join("out", f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results, all_records, table = {}, {}, {}
     for name, problems in benchmarks.items():
         k = default_k(len(problems)) if args.k is None else args.k
-        print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else ""))
-        overall, by_source, records = evaluate(engine, problems, k, args.temperature, args.top_p,
-                                               args.max_tokens, seed=args.seed, prompt_format=args.prompt_format)
+        if dist.is_main():
+            print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else "")
+                  + (f", over {world} processes" if world > 1 else ""))
+        mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
+                              args.max_tokens, seed=args.seed + rank, prompt_format=args.prompt_format)
+        position = {p.id: i for i, p in enumerate(problems)}
+        records = sorted((r for part in dist.gather_objects(mine) for r in part), key=lambda r: position[r["id"]])
+        overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
         all_records[name] = records
         table[name] = overall
         if len(by_source) > 1:
             table.update({f"  {src}": row for src, row in by_source.items()})
 
+    if not dist.is_main():
+        dist.teardown()
+        return 0
     print(format_table(table))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -171,6 +194,7 @@ def main(argv=None):
             for r in records:
                 f.write(json.dumps({"benchmark": name, **r}) + "\n")
     print(f"wrote {out} and {samples_path}")
+    dist.teardown()
     return 0
 
 

@@ -3,6 +3,9 @@
 import itertools
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -95,3 +98,29 @@ def test_eval_cli_end_to_end(vllm_engine, tmp_path, monkeypatch, capsys):
     samples = [json.loads(x) for x in (tmp_path / "res.samples.jsonl").read_text().splitlines()]
     assert [s["id"] for s in samples] == ["r0", "r1", "r2"] and len(samples[0]["sampled"]["responses"]) == 2
     assert "greedy" in capsys.readouterr().out
+
+
+def test_eval_under_torchrun_shards_problems_and_rank0_merges(tiny_model, tmp_path):
+    """torchrun --nproc_per_node=2 eval.py: each rank answers every other problem with its own
+    engine (HF backend here), rank 0 writes one result with every problem in data order; the
+    greedy answers equal a single process's."""
+    rows = [{"id": f"r{i}", "problem": f"What is {i} + {i + 3}?", "answer": str(2 * i + 3),
+             "source": "builtin/add1" if i % 2 else "builtin/add2"} for i in range(5)]
+    path = tmp_path / "five.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"--model={tiny_model}", "--backend=hf", "--dtype=float32", f"--data={path}", "--k=2", "--max_tokens=6"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531",
+                          "eval.py", *args, f"--out={tmp_path / 'two.json'}"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert evaluation.main([*args, f"--out={tmp_path / 'one.json'}"]) == 0
+    samples = {n: [json.loads(x) for x in (tmp_path / f"{n}.samples.jsonl").read_text().splitlines()]
+               for n in ("one", "two")}
+    assert [r["id"] for r in samples["two"]] == [f"r{i}" for i in range(5)]  # every problem once, in data order
+    assert [r["responses"] for r in samples["two"]] == [r["responses"] for r in samples["one"]]  # greedy
+    assert all(len(r["sampled"]["responses"]) == 2 for r in samples["two"])
+    result = json.loads((tmp_path / "two.json").read_text())["results"][str(path)]
+    assert result["overall"]["problems"] == 5 and set(result["by_source"]) == {"builtin/add1", "builtin/add2"}
+    assert not list(tmp_path.glob("two*rank*"))  # only rank 0 wrote

@@ -19,22 +19,6 @@ FINAL = "ckpt-000004"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, model_path):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("crash-tiny"))
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("crash-data") / "six.jsonl"
     rows = [{"id": f"p{i}", "problem": f"Compute {i + 1} * {i + 4} - {i}.", "answer": str((i + 1) * (i + 4) - i),
