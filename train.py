@@ -219,15 +219,15 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     (one token a character) + reflect_max_tokens."""
     if cfg.max_model_len:
         return cfg.max_model_len
-    lengths = sorted((len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs)), i)
-                     for i, p in enumerate(problems))
-    need = lengths[-1][0] + cfg.max_template_chars + 2 + cfg.max_tokens
+    longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
+                         for p in problems)
+    need = longest_prompt + cfg.max_template_chars + 2 + cfg.max_tokens
     if cfg.algo == "p2o":
         longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
         records = [gepa.reflection_record(p, "", cfg.reflect_answer_chars) for p in longest]
         messages = [{"role": "user", "content": gepa.meta_prompt("", records)},
                     {"role": "assistant", "content": gepa.DELIM_OPEN}]
-        cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # filled in at run time
+        cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # parent, answers, extracted
         need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + cut_text + cfg.reflect_max_tokens)
     return need
 
@@ -686,7 +686,7 @@ class StopSignal:
             signal.signal(s, h)
 
 
-def load_models(cfg, model_path, weights_path, engine, device, problems):
+def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
     """The policy (fp32 master weights on `device`), the frozen reference (kl_beta > 0 only),
     the tokenizer and the rollout engine, which starts from (or is pushed) the policy's weights.
     vLLM's context is sized for `problems` (context_length)."""
@@ -701,7 +701,6 @@ def load_models(cfg, model_path, weights_path, engine, device, problems):
     if cfg.kl_beta > 0:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         reference.requires_grad_(False)
-    chat_kwargs = chat_template_kwargs(cfg)
     if engine is None and cfg.backend == "hf":
         engine = HFRollout(None, model=policy, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs)  # shares weights
     elif engine is None:
@@ -759,9 +758,9 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     device = pick_device(cfg.device)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
-                                                       train_set + dev_set)
     chat_kwargs = chat_template_kwargs(cfg)
+    policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
+                                                       train_set + dev_set, chat_kwargs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
