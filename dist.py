@@ -11,6 +11,7 @@ gradient is the SUM of the ranks' gradients, never their mean (see `shard`).
 """
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,11 @@ def active():
     return world_size() > 1 and dist.is_available() and dist.is_initialized()
 
 
-def setup(device_type):
+def setup(device_type, timeout_minutes=30):
     """Join the process group -> (rank, world, device). NCCL for cuda (one GPU per process,
-    cuda:LOCAL_RANK), gloo for cpu. Single process: (0, 1, torch.device(device_type))."""
+    cuda:LOCAL_RANK), gloo for cpu. Single process: (0, 1, torch.device(device_type)).
+    timeout_minutes bounds how long a collective waits for the slowest rank (train.py raises it:
+    the other ranks wait while rank 0 runs a GEPA round)."""
     world = world_size()
     if world <= 1:
         return 0, 1, torch.device(device_type)
@@ -36,10 +39,10 @@ def setup(device_type):
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # object collectives and NCCL use the current device
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=timeout_minutes))
     else:
         device = torch.device(device_type)
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=timeout_minutes))
     return rank, world, device
 
 
@@ -53,6 +56,11 @@ def teardown():
 def rank():
     """This process's rank; 0 in a single process."""
     return dist.get_rank() if active() else 0
+
+
+def world():
+    """Processes in the group; 1 in a single process."""
+    return dist.get_world_size() if active() else 1
 
 
 def is_main():
@@ -111,6 +119,18 @@ def broadcast_object(obj, src=0):
     return box[0]
 
 
+def sum_counters(counter, max_keys=()):
+    """A collections.Counter summed over the ranks (keys in `max_keys`: their max instead)."""
+    parts = gather_objects(counter)
+    if len(parts) == 1:
+        return counter
+    out = type(counter)()
+    for part in parts:
+        for key, value in part.items():
+            out[key] = max(out[key], value) if key in max_keys and key in out else out[key] + value
+    return out
+
+
 def split(items, rank, world):
     """This rank's share of a step's items, items[rank::world]: whole groups per rank (pass the
     groups, not the rows, so a group's advantages are never split), counts differing by one at
@@ -118,7 +138,16 @@ def split(items, rank, world):
     return items[rank::world]
 
 
-def shard(model, reshard_after_forward=True):
+def unsplit(parts):
+    """Inverse of split: the ranks' shares (gather_objects(split(items, r, world))) back in the
+    order of `items`."""
+    out, world = [], len(parts)
+    for i in range(sum(map(len, parts))):
+        out.append(parts[i % world][i // world])
+    return out
+
+
+def shard(model, reshard_after_forward=True, forward_methods=()):
     """FSDP2 (`fully_shard`) on each decoder layer (model.model.layers), then on the root.
     Returns the model (the same object, now an FSDPModule). Identity in a single process.
 
@@ -140,11 +169,16 @@ def shard(model, reshard_after_forward=True):
 
     Tied embeddings (lm_head.weight is model.embed_tokens.weight): neither module is sharded
     on its own, so the shared parameter belongs to the root's group once and the tie holds.
+
+    forward_methods: names of methods of `model` that the trainer calls INSTEAD of forward (e.g.
+    one that runs the decoder and the LM head only at the response positions). FSDP gathers
+    the root's parameters (embeddings, final norm, LM head) around forward only; a registered
+    method gets the same pre/post-forward hooks, hence also the gradient reduction of the root.
     """
     if not active():
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     device_type = next(model.parameters()).device.type
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
@@ -156,6 +190,8 @@ def shard(model, reshard_after_forward=True):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
     return model
 
 
@@ -170,6 +206,34 @@ def full_state_dict(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
+def optimizer_state(optimizer):
+    """optimizer.state_dict() with each DTensor (an FSDP2 shard of a state like exp_avg)
+    replaced by its local CPU tensor: a file that loads without a process group or a device
+    mesh. In a single process: the state dict itself."""
+    state = optimizer.state_dict()
+    if not active():
+        return state
+    local = lambda v: v.to_local().cpu() if hasattr(v, "to_local") else v  # noqa: E731
+    return {**state, "state": {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}}
+
+
+def load_optimizer_state(optimizer, state):
+    """Inverse of optimizer_state, at the same world size: a local tensor shaped like its
+    parameter's shard becomes a DTensor on the parameter's mesh again."""
+    if active():
+        from torch.distributed.tensor import DTensor
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        wrapped = {}
+        for i, s in state["state"].items():
+            p = params[i]
+            wrapped[i] = {k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
+                          if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.to_local().shape
+                          and v.dim() > 0 else v for k, v in s.items()}
+        state = {**state, "state": wrapped}
+    optimizer.load_state_dict(state)
 
 
 def clip_grad_norm(model, max_norm):

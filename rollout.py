@@ -129,10 +129,15 @@ def _sampled_logprob(entry, token_id):
 class VLLMRollout:
     """In-process vLLM engine. CPU defaults (KV cache size, no reserved core) come from
     `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead, and with
-    `sleep_level` > 0 the engine can free its memory while the trainer runs (`sleep` / `wake`)."""
+    `sleep_level` > 0 the engine can free its memory while the trainer runs (`sleep` / `wake`).
+    external_launcher: the process was started by torchrun and is one of several trainers,
+    each with its own engine (tensor parallel size 1): vLLM then places this engine on the
+    rank's own device (LOCAL_RANK) and joins the process group torchrun set up instead of
+    starting its own."""
 
     def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gib=1,
-                 gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None):
+                 gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None,
+                 external_launcher=False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -143,6 +148,8 @@ class VLLMRollout:
         self.sleep_level = 0 if self.is_cpu else sleep_level  # vLLM-CPU has no sleep mode
         kwargs = {} if self.is_cpu else {"gpu_memory_utilization": gpu_memory_utilization,
                                          "enable_sleep_mode": self.sleep_level > 0}
+        if external_launcher:
+            kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
         self.tokenizer = self.llm.get_tokenizer()

@@ -3,6 +3,8 @@
     runs/<run_name>/
         ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is)
                               + trainer.pt: config, loop state, optimizer, scheduler, RNG states
+                              (under torchrun the optimizer shard and RNG states of rank R
+                              are in rank-R.pt beside it)
         latest, best          the name of the newest / best-dev checkpoint (one line each)
         metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
         dev.jsonl             one line per dev eval    tb/              TensorBoard events
@@ -25,6 +27,7 @@ import time
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+import dist
 from model import atomic_directory
 
 
@@ -41,22 +44,77 @@ def write_atomic(path, write):
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir, step, policy, tokenizer, trainer):
+def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     """ckpt-NNNNNN/ = an HF model folder + trainer.pt (the dict `trainer`), written atomically;
     then `latest` names it. A checkpoint of the same step already on this branch holds the same
     weights: only its trainer.pt is replaced (atomically), e.g. after a GEPA round, which
-    changes no weight."""
+    changes no weight.
+
+    Under torchrun every rank calls it: the full weights are gathered (a collective), rank R
+    writes `own` (its optimizer shard and RNG states) to rank-R.pt inside the unfinished
+    folder, then rank 0 writes the model, tokenizer and trainer.pt and renames the folder."""
     name = f"ckpt-{step:06d}"
     path = os.path.join(run_dir, name)
-    if os.path.isdir(path):
-        write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
+    if not dist.active():
+        if os.path.isdir(path):
+            write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
+        else:
+            with atomic_directory(path) as tmp:
+                policy.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+                torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+        point(run_dir, "latest", step)
+        return path
+    weights = dist.full_state_dict(policy)
+    own_file = f"rank-{dist.rank()}.pt"
+    if os.path.isdir(path):  # one file system: every rank sees the same folders
+        write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))
+        dist.barrier()
+        if dist.is_main():
+            write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
     else:
-        with atomic_directory(path) as tmp:
-            policy.save_pretrained(tmp, safe_serialization=True)
+        tmp = os.path.join(run_dir, f".partial-{name}")  # a name every rank knows
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        torch.save(own, os.path.join(tmp, own_file))
+        dist.barrier()
+        if dist.is_main():
+            save_model(policy, weights, tmp)
             tokenizer.save_pretrained(tmp)
             torch.save(trainer, os.path.join(tmp, "trainer.pt"))
-    point(run_dir, "latest", step)
+            os.rename(tmp, path)
+    if dist.is_main():
+        point(run_dir, "latest", step)
+    dist.barrier()
     return path
+
+
+def save_model(model, weights, folder):
+    """An FSDP-sharded model's full `weights` as an HF folder. fully_shard changes the model's
+    class (FSDP<Name>), which save_pretrained would record as the architecture: the original
+    class name is written instead, so transformers and vLLM load the folder as usual. A tied
+    LM head is the embedding: it is not stored twice (save_pretrained does the same)."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+    architecture = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+    config_file = os.path.join(folder, "config.json")
+    config = json.load(open(config_file))
+    config["architectures"] = [architecture]
+    write_atomic(config_file, lambda tmp: json.dump(config, open(tmp, "w"), indent=2))
+
+
+def load_rank_state(path, rank):
+    """rank-R.pt of a checkpoint written under torchrun, or a clear error naming the file."""
+    file = os.path.join(path, f"rank-{rank}.pt")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"{file}: missing; this checkpoint was not written by {rank + 1}+ processes") from None
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
 
 
 def point(run_dir, pointer, step):

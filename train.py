@@ -12,6 +12,7 @@
     python train.py --adv_norm=none --loss_agg=seq-mean-token-sum-norm   # Dr. GRPO
     python train.py --kl_beta=0.01                   # k3 KL to the frozen initial policy
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
+    torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; README "GPUs")
 
 Every setting lives in `Config` below; `--key=value` overrides it (types are checked, unknown
 keys are an error). The method, its formulas and our defaults are in docs/METHOD.md. One step:
@@ -32,8 +33,9 @@ rollouts.jsonl (a sample of groups), dev.jsonl, checkpoints (ckpt-NNNNNN/ = an H
 that eval.py and vLLM load unchanged, plus trainer.pt; `latest` names the newest),
 gepa-epoch-N.json (templates, lineage, dev score matrix, acceptance log, assignment), curves.png.
 
-Simplifications, on purpose: one process, one device; the reference model exists only when
-kl_beta > 0; groups whose advantages are all zero are not forwarded when kl_beta == 0 (their
+One process, or `torchrun --nproc_per_node=N train.py ...` for every GPU of a node (see train()
+and dist.py; README "GPUs"). Simplifications, on purpose: the reference model exists only when
+kl_beta > 0 (and is not sharded); groups whose advantages are all zero are not forwarded when kl_beta == 0 (their
 gradient is exactly zero) but their tokens still count in the token-mean denominator, as in
 the reference implementation; policy entropy is measured on the rows that were forwarded.
 """
@@ -48,6 +50,7 @@ import resource
 import signal
 import sys
 import time
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -55,16 +58,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import dist
 import distill
 import gepa
 import grpo
 from data import load_jsonl
-from eval import evaluate
+from eval import answer_records, summarize_records
 from model import resolve_model
 from plot import plot_run
 from prompts import FORMATS, problem_messages
 from rollout import HFRollout, encode_prompt, make_rollout
-from runs import RunLog, load_trainer_state, point, resolve_resume, save_checkpoint, start_branch, write_atomic
+from runs import (RunLog, load_rank_state, load_trainer_state, point, resolve_resume, save_checkpoint, start_branch,
+                  write_atomic)
 from verify import reward as verify_reward
 
 
@@ -321,6 +326,7 @@ class MicroBatch:
     crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (rows with templates)
     sampler_logp: torch.Tensor | None = None  # [B, L-1] the rollout engine's log-probs (0 where unknown)
     sampler_mask: torch.Tensor | None = None  # [B, L-1] bool: positions where sampler_logp is known
+    dummy: bool = False  # torchrun: a stand-in that keeps this rank's forwards in step (loss x 0)
 
 
 # ----------------------------------------------------------------------------- model helpers
@@ -330,12 +336,21 @@ def autocast(cfg, device):
     return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16)
 
 
+def selected_logits(model, input_ids, attention, loss_mask):
+    """Logits [N, V] at the N positions where loss_mask [B, L-1] is set (those that predict a
+    response token): the LM head is computed there only. Bound to the policy as a method that
+    FSDP treats like forward (load_models)."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+    return model.get_output_embeddings()(hidden[:, :-1][loss_mask])
+
+
 def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False):
     """Log-probs of the response tokens, computing the LM head only where loss_mask is set.
     input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state
-    selected = hidden[:, :-1][loss_mask]  # [N, H]: positions that predict a response token
-    logits = model.get_output_embeddings()(selected)  # [N, V]
+    if hasattr(model, "selected_logits"):  # the policy (sharded or not)
+        logits = model.selected_logits(input_ids, attention, loss_mask)  # [N, V]
+    else:
+        logits = selected_logits(model, input_ids, attention, loss_mask)
     targets = input_ids[:, 1:][loss_mask]  # [N]
     logp = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
     logp[loss_mask] = grpo.token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
@@ -379,23 +394,28 @@ def generate_groups(engine, problems, assignment, cfg, seed):
 def collect_groups(engine, stream, state, cfg, reward_fn):
     """This step's groups: generate, score, mine hard prompts (judged on the rollouts they
     actually got, templated ones included); DAPO refills while groups carry no signal.
+    Under torchrun each rank generates and scores its share of the prompts (dist.split) with
+    its own engine and seed; the shares are then gathered, so every rank holds all groups in
+    order and mines, refills and counts exactly as one process would.
     Returns (groups, {"refills", "generate", "score"}); advances state.consumed."""
     groups, info, need = [], {"refills": 0, "generate": 0.0, "score": 0.0}, cfg.prompts_per_step
     while True:
         problems = stream.take(state.consumed, need)
         state.consumed += need
         t = time.perf_counter()
-        seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000  # per step: exact resume
-        new = generate_groups(engine, problems, state.assignment, cfg, seed)
+        seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000 + dist.rank()  # exact resume
+        local = generate_groups(engine, dist.split(problems, dist.rank(), dist.world()), state.assignment, cfg, seed)
         info["generate"] += time.perf_counter() - t
+        t = time.perf_counter()
+        for g in local:
+            g.rewards = [reward_fn(s.text, g.problem) for s in g.samples]
+        new = dist.unsplit(dist.gather_objects(local))  # all groups, in prompt order, on every rank
+        info["score"] += time.perf_counter() - t
         state.counts["train_rollouts"] += sum(len(g.samples) for g in new)
         state.counts["train_tokens"] += sum(len(s.response_ids) for g in new for s in g.samples)
-        t = time.perf_counter()
         for g in new:
-            g.rewards = [reward_fn(s.text, g.problem) for s in g.samples]
             if cfg.algo == "p2o" and sum(g.rewards) < cfg.tau:
                 state.hard_now[g.problem.id] = None
-        info["score"] += time.perf_counter() - t
         if not cfg.dynamic_sampling:
             return new, info
         groups += [g for g in new if len(set(g.rewards)) > 1][:need]  # DAPO: keep varied groups
@@ -408,11 +428,15 @@ def collect_groups(engine, stream, state, cfg, reward_fn):
 def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     """Rows of every rollout: advantages normalised inside each group (templated or not); a
     templated rollout is trained under the ORIGINAL prompt x with its response ids unchanged
-    (context distillation) and keeps x~ for its CRM weights."""
+    (context distillation) and keeps x~ for its CRM weights. Under torchrun, the rows of this
+    rank's whole groups (dist.split: groups rank, rank + world, ...), tagged with their
+    index among all the step's groups."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
     adv = grpo.group_advantages(rewards, cfg.adv_norm)  # [G, K]
     rows = []
     for gi, (g, group_adv) in enumerate(zip(groups, adv.tolist())):
+        if gi % dist.world() != dist.rank():
+            continue
         distilled = any(g.templates) and cfg.context_distill
         plain_ids = encode_prompt(tokenizer, problem_messages(g.problem, fmt=cfg.prompt_format), chat_kwargs) \
             if distilled else None
@@ -429,25 +453,32 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
     """Rows -> right-padded micro-batches carrying what the loss needs from the pre-update
     weights: old log-probs (more than one optimizer step per batch), reference log-probs
     (kl_beta > 0), CRM weights (from the old log-probs of the same response tokens under x and
-    x~), and the rollout engine's own log-probs (mismatch, TIS). Returns (batches, CrmSums)."""
+    x~), and the rollout engine's own log-probs (mismatch, TIS). Returns (batches, CrmSums).
+
+    Under torchrun every rank must run the same forwards (FSDP gathers each layer's weights
+    collectively): a rank with fewer micro-batches than another gets zero-weight `dummy` ones,
+    and the CRM pass runs on every rank when any rank has templated rows in that micro-batch."""
     rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))  # less padding
+    chunks = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     batches, crm, device = [], distill.CrmSums(), next(policy.parameters()).device
     with torch.no_grad(), autocast(cfg, device):
-        for i in range(0, len(rows), cfg.micro_batch_size):
-            chunk = rows[i:i + cfg.micro_batch_size]
+        for i in range(dist.all_max(len(chunks))):
+            chunk = chunks[i] if i < len(chunks) else [Row([pad_id], [pad_id], 0.0)]  # dummy: weight 0 below
             ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(
                 [r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad_id))
-            b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk], device=device))
+            b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk], device=device),
+                           dummy=i >= len(chunks))
             if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:  # later optimizer steps need pre-update log-probs
                 b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature)[0]
             if reference is not None:
                 b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature)[0]
             b.sampler_logp, b.sampler_mask = sampler_logprobs(chunk, b.loss_mask)
             templated = [j for j, r in enumerate(chunk) if r.tilde_prompt_ids is not None]
-            if templated:  # one pass: the templated rows under x, then under x~
+            if dist.all_max(int(bool(templated))):  # one pass: the templated rows under x, then under x~
                 prompts = [chunk[j].prompt_ids for j in templated] + [chunk[j].tilde_prompt_ids for j in templated]
-                both = row_logprobs(policy, prompts, [chunk[j].response_ids for j in templated] * 2, pad_id,
-                                    cfg.temperature)
+                responses = [chunk[j].response_ids for j in templated] * 2
+                both = row_logprobs(policy, prompts or [[pad_id]], responses or [[pad_id]], pad_id, cfg.temperature)
+            if templated:
                 plain, tilde = [None] * len(chunk), [None] * len(chunk)
                 for q, j in enumerate(templated):
                     plain[j], tilde[j] = both[q], both[len(templated) + q]
@@ -495,6 +526,8 @@ def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, wit
         sums["kl_sum"] = (kl.detach() * mask).sum().item()
     if ent is not None:
         sums.update(entropy_sum=ent.sum().item(), entropy_tokens=ent.numel())
+    if b.dummy:  # torchrun: a stand-in that keeps the ranks' forwards and backwards in step
+        return loss * 0.0, Counter(mismatch_abs_max=0.0)
     return loss, sums
 
 
@@ -508,27 +541,33 @@ class Update:
     sums: Counter  # clipped_tokens, kl_sum, entropy_sum / entropy_tokens (first epoch), crm_*
 
 
-def policy_update(policy, reference, optimizer, rows, cfg, pad_id):
+def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None):
     """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
     whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
     token-mean over ITS whole mini-batch, whatever the micro-batch split; after the first step
     the PPO ratio is taken against the log-probs stored before the update. A non-finite loss or
-    gradient in any step restores the weights and optimizer state of before the call."""
-    n_groups = max((r.group for r in rows), default=0) + 1
+    gradient in any step restores the weights and optimizer state of before the call.
+
+    Under torchrun `rows` are this rank's share and n_groups counts the step's groups on all
+    ranks. The denominators (tokens, rows, CRM weight mass) are global sums, so each rank's
+    loss is its share of the single-process loss and the summed gradients (dist.shard) are the
+    single-process gradient; the finiteness decision and the logged sums are global too."""
+    n_groups = n_groups or max((r.group for r in rows), default=0) + 1
     size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
     parts, sums = [], Counter()
     for lo in range(0, n_groups, size):
         part = [r for r in rows if lo <= r.group < lo + size]
         trained = [r for r in part if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
         batches, crm = micro_batches(trained, policy, reference, cfg, pad_id)
-        tokens = sum(len(r.response_ids) for r in part)
-        kept = tokens - crm.templated_tokens + crm.weight_sum  # the CRM weight mass of the mini-batch
-        parts.append((batches, tokens, len(part), kept if cfg.crm_denominator == "kept" else tokens, len(trained)))
+        tokens = dist.all_sum(sum(len(r.response_ids) for r in part))
+        kept = tokens - dist.all_sum(crm.templated_tokens) + dist.all_sum(crm.weight_sum)  # the CRM weight mass
+        parts.append((batches, tokens, dist.all_sum(len(part)), kept if cfg.crm_denominator == "kept" else tokens,
+                      len(trained)))
         sums.update({f"crm_{k}": v for k, v in fields_of(crm).items()})
     snapshot = None
     if cfg.ppo_epochs * len(parts) > 1:
         snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
-    losses, grad_norm, n_trained = [], 0.0, sum(p[4] for p in parts)
+    losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[4] for p in parts))
     for epoch in range(cfg.ppo_epochs):
         for batches, tokens, n_rows, pg_denominator, _ in parts:
             optimizer.zero_grad(set_to_none=True)
@@ -540,24 +579,26 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id):
                 loss_sum += loss.item()
                 sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
                 sums.update(s)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip).item() if batches else 0.0
+            grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip) if batches else 0.0  # global norm
+            loss_sum = dist.all_sum(loss_sum)
             losses.append(loss_sum)
             if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 if snapshot is not None:  # undo this call's earlier optimizer steps
                     policy.load_state_dict(snapshot[0])
                     optimizer.load_state_dict(snapshot[1])
-                return Update(False, loss_sum, grad_norm, n_trained, sums)
+                return Update(False, loss_sum, grad_norm, n_trained, dist.sum_counters(sums, ("mismatch_abs_max",)))
             optimizer.step()
-    return Update(True, sum(losses) / len(losses), grad_norm, n_trained, sums)
+    return Update(True, sum(losses) / len(losses), grad_norm, n_trained,
+                  dist.sum_counters(sums, ("mismatch_abs_max",)))
 
 
-def step_metrics(state, groups, rows, update, info, lr, cfg):
+def step_metrics(state, groups, update, info, lr, cfg):
     """One line of metrics.jsonl (and the TensorBoard train/* scalars)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
     flat = [s for g in groups for s in g.samples]
     lengths = [len(s.response_ids) for s in flat]
-    step_tokens = sum(len(r.response_ids) for r in rows)
+    step_tokens = sum(lengths)  # every rollout is one training row
     templated = [any(g.templates) for g in groups]
     t_rewards = [r for g, t in zip(groups, templated) if t for r in g.rewards]
     p_rewards = [r for g, t in zip(groups, templated) if not t for r in g.rewards]
@@ -592,8 +633,9 @@ def step_metrics(state, groups, rows, update, info, lr, cfg):
 # ----------------------------------------------------------------------------- GEPA at an epoch's end
 
 
-def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, reward_fn, reflect_override=None):
-    """Run GEPA on this epoch's hard prompts with the current policy answering; return the result."""
+def gepa_round(cfg, epoch, hard_problems, engine, weights, model_path, counts, reward_fn, reflect_override=None):
+    """Run GEPA on this epoch's hard prompts with the current policy answering (the engine holds
+    it; `weights`, its full state dict, puts it back after a Self-Ref reflection); return the result."""
     def answer_fn(pairs, kind):
         msgs = [problem_messages(item, t, cfg.prompt_format) for t, item in pairs]
         out = engine.generate(msgs, n=1, temperature=0.0, max_tokens=cfg.max_tokens)
@@ -612,7 +654,7 @@ def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, re
         if reflect_override is not None:  # tests: a scripted reflector
             counts["reflection_calls"] += len(prompts)
             return reflect_override(prompts)
-        current = {k: v.detach().clone() for k, v in policy.state_dict().items()} if swap else None
+        current = {k: v.detach().clone() for k, v in weights.items()} if swap else None
         if swap:
             engine.push_weights(swap)
         try:
@@ -634,9 +676,10 @@ def gepa_round(cfg, epoch, hard_problems, engine, policy, model_path, counts, re
                          same_for_group=cfg.same_template_per_group, reward_fn=reward_fn)
 
 
-def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=True):
+def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights=None, run_gepa=True):
     """P²O: GEPA on the epoch's hard prompts -> the next epoch's template assignment. Then a new
-    epoch starts collecting hard prompts. gepa_args: (engine, policy, model_path, reward_fn, reflect_fn)."""
+    epoch starts collecting hard prompts. gepa_args: (engine, model_path, reward_fn, reflect_fn);
+    weights: the policy's full state dict. Under torchrun rank 0 alone calls this (train())."""
     if cfg.algo == "p2o":
         log.writer.add_scalar("p2o/hard_set_size", len(state.hard_now), state.step)
         summary = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}
@@ -644,8 +687,8 @@ def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=True):
         if run_gepa and len(state.hard_now) >= cfg.gepa_min_hard:
             tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
             t = time.perf_counter()
-            engine, policy, model_path, reward_fn, reflect_fn = gepa_args
-            result = gepa_round(cfg, state.epoch, [by_id[i] for i in state.hard_now], engine, policy, model_path,
+            engine, model_path, reward_fn, reflect_fn = gepa_args
+            result = gepa_round(cfg, state.epoch, [by_id[i] for i in state.hard_now], engine, weights, model_path,
                                 state.counts, reward_fn, reflect_fn)
             archive = result.to_json()
             write_atomic(os.path.join(log.run_dir, f"gepa-epoch-{state.epoch}.json"),
@@ -687,9 +730,11 @@ class StopSignal:
 
 
 def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
-    """The policy (fp32 master weights on `device`), the frozen reference (kl_beta > 0 only),
-    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's weights.
-    vLLM's context is sized for `problems` (context_length)."""
+    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
+    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
+    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
+    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
+    rank has its own engine; an HF engine then holds its own unsharded copy of the weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -697,35 +742,45 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     policy.train()
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.selected_logits = types.MethodType(selected_logits, policy)  # the trainer's forward
+    policy = dist.shard(policy, forward_methods=("selected_logits",))
     reference = None
     if cfg.kl_beta > 0:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         reference.requires_grad_(False)
     if engine is None and cfg.backend == "hf":
-        engine = HFRollout(None, model=policy, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs)  # shares weights
+        shared = None if dist.active() else policy  # one process: the engine shares the policy's weights
+        engine = HFRollout(weights_path, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs)
+        engine.model.to(device)
     elif engine is None:
         engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
                               max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
                               kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              sleep_level=cfg.vllm_sleep_level, chat_template_kwargs=chat_kwargs)
+                              sleep_level=cfg.vllm_sleep_level, chat_template_kwargs=chat_kwargs,
+                              external_launcher=dist.active())
     elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
-        engine.push_weights(policy.state_dict())
+        engine.push_weights(dist.full_state_dict(policy))
     return policy, reference, tokenizer, engine
 
 
-def restore(saved, optimizer, scheduler, warmup, cfg):
-    """A checkpoint's LoopState, with its optimizer, scheduler and RNG states put back. Settings
+def rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore(saved, own, optimizer, scheduler, warmup, cfg):
+    """A checkpoint's LoopState, with its optimizer, scheduler and RNG states put back (`own`:
+    this rank's, from trainer.pt in one process, from rank-R.pt under torchrun). Settings
     given on the command line at resume (lr, AdamW's betas, eps, weight decay) win over the
     optimizer's saved copies of them."""
-    optimizer.load_state_dict(saved["optimizer"])
+    dist.load_optimizer_state(optimizer, own["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     for g in optimizer.param_groups:
         g.update(lr=cfg.lr * warmup(scheduler.last_epoch), initial_lr=cfg.lr, eps=cfg.adam_eps,
                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    random.setstate(saved["rng"]["python"])
-    np.random.set_state(saved["rng"]["numpy"])
-    torch.set_rng_state(saved["rng"]["torch"])
+    random.setstate(own["rng"]["python"])
+    np.random.set_state(own["rng"]["numpy"])
+    torch.set_rng_state(own["rng"]["torch"])
     return LoopState(**saved["loop"])
 
 
@@ -733,15 +788,28 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
     engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
     verify.reward; GEPA scores with the same function) and `reflect_fn(prompts) -> [(text,
-    finished)]` (a scripted reflector)."""
+    finished)]` (a scripted reflector).
+
+    Under `torchrun --nproc_per_node=N train.py` the same loop runs on N processes: the
+    policy is sharded (FSDP2), each rank generates its share of a step's prompts with its own
+    engine, every rank then holds all groups (so hard-prompt mining, DAPO refills and the
+    accounting are the same everywhere), trains on its share of the groups with global loss
+    denominators, and pushes the gathered weights into its engine. Rank 0 alone runs GEPA,
+    logs and writes files; the loop state it leaves is broadcast to the others."""
     check_config(cfg)
     reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
+    rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)  # GEPA: the others wait
+    main = dist.is_main()
     resume_path = resolve_resume(cfg) if cfg.resume else None
     saved = load_trainer_state(resume_path) if resume_path else None
-    cfg.run_name = cfg.run_name or f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if saved and saved.get("world", 1) != world:
+        raise SystemExit(f"{resume_path} was written by {saved.get('world', 1)} processes; resume with as many "
+                         f"(now {world}): the optimizer state is sharded by process")
+    cfg.run_name = cfg.run_name or dist.broadcast_object(f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    print(json.dumps(dataclasses.asdict(cfg), indent=1))
+    if main:
+        os.makedirs(run_dir, exist_ok=True)
+        print(json.dumps(dataclasses.asdict(cfg), indent=1) + (f"\n{world} processes" if world > 1 else ""))
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -755,7 +823,6 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     stream = PromptStream(train_set, cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step)
     model_path = resolve_model(cfg.model)
-    device = pick_device(cfg.device)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     chat_kwargs = chat_template_kwargs(cfg)
@@ -768,49 +835,63 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     # ---- loop state: all of it is in every checkpoint, so a resumed run continues exactly
-    state = restore(saved, optimizer, scheduler, warmup, cfg) if saved else LoopState()
+    state = LoopState()
     if saved:
-        print(f"resuming from {resume_path} at step {state.step}")
-    start_branch(run_dir, state.step if saved else -1, state.epoch, resume_path)  # a fresh run keeps nothing
-    if state.best_step >= 0:
-        point(run_dir, "best", state.best_step)
-    log = RunLog(run_dir, state.step, cfg)
+        own = load_rank_state(resume_path, rank) if world > 1 else saved
+        state = restore(saved, own, optimizer, scheduler, warmup, cfg)
+        if main:
+            print(f"resuming from {resume_path} at step {state.step}")
+    if main:
+        start_branch(run_dir, state.step if saved else -1, state.epoch, resume_path)  # a fresh run keeps nothing
+        if state.best_step >= 0:
+            point(run_dir, "best", state.best_step)
+    log = RunLog(run_dir, state.step, cfg) if main else None
+    dist.barrier()
 
     def checkpoint():  # everything a resume needs (restore() reads it back), one name per step
-        return save_checkpoint(run_dir, state.step, policy, tokenizer, {
-            "config": dataclasses.asdict(cfg), "loop": fields_of(state), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}})
+        own = {"optimizer": dist.optimizer_state(optimizer), "rng": rng_state()}
+        trainer = {"config": dataclasses.asdict(cfg), "loop": fields_of(state), "scheduler": scheduler.state_dict(),
+                   "world": world, **(own if world == 1 else {})}
+        return save_checkpoint(run_dir, state.step, policy, tokenizer, trainer, own)
 
-    def dev_eval():
+    def dev_eval():  # each rank answers its share of the dev set; every rank gets the same result
         if not dev_set:
             return {}
-        overall, _, _ = evaluate(engine, dev_set, k=cfg.eval_k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 max_tokens=cfg.max_tokens, progress=False, seed=cfg.seed * 100_003 + state.step,
-                                 prompt_format=cfg.prompt_format)
-        log.dev(state.step, overall)
-        tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
-                   (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
+        mine = answer_records(engine, dist.split(dev_set, rank, world), k=cfg.eval_k, temperature=cfg.temperature,
+                              top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
+                              seed=cfg.seed * 100_003 + state.step + rank, prompt_format=cfg.prompt_format)
+        overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
+        if main:
+            log.dev(state.step, overall)
+            tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
+                       (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
         if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
             state.best_dev, state.best_step = overall["greedy"], state.step
             checkpoint()
-            point(run_dir, "best", state.step)
+            if main:
+                point(run_dir, "best", state.step)
         return overall
 
     stop = StopSignal()
-    print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
-          "gradient is the policy gradient (see grpo.py)")
+    if main:
+        print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
+              "gradient is the policy gradient (see grpo.py)")
     if state.step == 0:
         dev_eval()
-    bar = tqdm(total=total_steps, initial=state.step, desc=cfg.algo, dynamic_ncols=True)
-    gepa_args = (engine, policy, model_path, reward_fn, reflect_fn)
+    bar = tqdm(total=total_steps, initial=state.step, desc=cfg.algo, dynamic_ncols=True, disable=not main)
+    gepa_args = (engine, model_path, reward_fn, reflect_fn)
+    records = []
     try:
-        while state.step < total_steps and stop.signal is None:
+        while state.step < total_steps and not dist.all_max(int(stop.signal is not None)):
             if stream.epoch_of(state.consumed) > state.epoch:  # the last step ended an epoch
                 gepa_due = cfg.algo == "p2o" and len(state.hard_now) >= cfg.gepa_min_hard
                 if gepa_due:  # a GEPA round is minutes of compute: checkpoint on both sides of it
                     checkpoint()
-                end_of_epoch(state, stream, by_id, cfg, log, gepa_args)
+                weights = dist.full_state_dict(policy) if gepa_due else None  # collective: before rank 0 goes alone
+                if main:
+                    end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights)
+                for key, value in dist.broadcast_object(fields_of(state)).items():  # rank 0's P²O state everywhere
+                    setattr(state, key, value)
                 if gepa_due:
                     checkpoint()
             t0 = time.perf_counter()
@@ -819,7 +900,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             t = time.perf_counter()
             if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
                 engine.sleep()
-            update = policy_update(policy, reference, optimizer, rows, cfg, pad_id)
+            update = policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=len(groups))
             info["train"] = time.perf_counter() - t
             lr = optimizer.param_groups[0]["lr"]  # the lr this update used
             state.step += 1
@@ -828,14 +909,17 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
                 state.bad_steps = 0
                 scheduler.step()
                 if update.trained_rows:
-                    engine.push_weights(policy.state_dict())  # verified inside: raises on a mismatch
+                    engine.push_weights(dist.full_state_dict(policy))  # verified inside: raises on a mismatch
             else:  # a NaN/inf loss or gradient: the update left no trace; count it
                 state.bad_steps += 1
                 state.skipped_steps += 1
-                tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
+                if main:
+                    tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); "
+                               "skipped")
             info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
-            m = step_metrics(state, groups, rows, update, info, lr, cfg)
-            log.step(m, groups)
+            m = step_metrics(state, groups, update, info, lr, cfg)
+            if main:
+                log.step(m, groups)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", zero_var=f"{m['zero_variance_groups']:.2f}",
                             gen=f"{info['generate']:.1f}s", train=f"{info['train']:.1f}s")
@@ -846,22 +930,29 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             if cfg.save_every and state.step % cfg.save_every == 0:
                 checkpoint()
         if state.step >= total_steps and stream.epoch_of(state.consumed) > state.epoch:
-            end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=False)  # log the last hard set
+            if main:
+                end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=False)  # log the last hard set
+            for key, value in dist.broadcast_object(fields_of(state)).items():
+                setattr(state, key, value)
         final_path = checkpoint()
-        if stop.signal is not None:
-            print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
+        if dist.all_max(int(stop.signal is not None)):  # every rank takes the same branch
+            if main:
+                print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
             return {"step": state.step, "checkpoint": final_path, "interrupted": True}
-        records = log.dev_records()
-        if dev_set and not (records and records[-1]["step"] == state.step):
+        records = log.dev_records() if main else []
+        if dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
             dev_eval()
-            records = log.dev_records()
+            records = log.dev_records() if main else []
     finally:
         bar.close()
-        log.close()
+        if log:
+            log.close()
         stop.restore()
-    print_summary(run_dir, state, records, len(dev_set))
+        dist.teardown()
+    if main:
+        print_summary(run_dir, state, records, len(dev_set))
     return {"step": state.step, "checkpoint": final_path, "policy": policy, "counts": state.counts,
-            "gepa_history": state.gepa_history, "dev": records}
+            "gepa_history": state.gepa_history, "dev": records, "state": state}
 
 
 def print_summary(run_dir, state, dev_records, dev_size):

@@ -326,7 +326,7 @@ def test_one_gepa_round_with_the_real_default_model(vllm_engine, hf_model, model
                        group_size=4)
     counts = C()
     from verify import reward
-    result = train.gepa_round(cfg, 0, hard, vllm_engine, hf_model, model_path, counts,
+    result = train.gepa_round(cfg, 0, hard, vllm_engine, hf_model.state_dict(), model_path, counts,
                               lambda text, problem: reward(text, problem.answer))
     assert result.pool[0] == "" and len(result.scores) == len(result.pool)
     assert len(result.dev_ids) == 3 and len(result.train_ids) == 3
