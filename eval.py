@@ -162,7 +162,8 @@ def main(argv=None):
     # under torchrun each rank answers every world-th problem with its own engine; rank 0 merges and writes
     rank, world, _ = dist.setup("cuda" if torch.cuda.is_available() else "cpu")
     model_path = resolve_model(args.model)
-    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed + rank)
+    launcher = {"external_launcher": dist.active()} if args.backend == "vllm" else {}  # torchrun: one engine a rank
+    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed + rank, **launcher)
     out = args.out or os.path.join("out", f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results, all_records, table = {}, {}, {}
     for name, problems in benchmarks.items():
@@ -181,6 +182,8 @@ def main(argv=None):
         if len(by_source) > 1:
             table.update({f"  {src}": row for src, row in by_source.items()})
 
+    if dist.active() and hasattr(engine, "close"):  # vLLM's subgroups go before the group itself
+        engine.close()
     if not dist.is_main():
         dist.teardown()
         return 0

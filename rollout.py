@@ -192,6 +192,12 @@ class VLLMRollout:
             groups.append(group)
         return groups
 
+    def close(self):
+        """Shut the engine down. Under torchrun (external_launcher) vLLM's shutdown also leaves
+        the process group it shares with the trainer, so call this before the trainer's own
+        teardown, never after (its subgroups must go before the group they belong to)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def sleep(self):
         """GPU: free the KV cache and move the weights off the GPU (level 1) or drop them (level 2)
         while the trainer needs the memory. A no-op on the CPU or with sleep_level 0."""

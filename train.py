@@ -948,6 +948,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
         if log:
             log.close()
         stop.restore()
+        if dist.active() and hasattr(engine, "close"):  # vLLM's subgroups go before the group itself
+            engine.close()
         dist.teardown()
     if main:
         print_summary(run_dir, state, records, len(dev_set))

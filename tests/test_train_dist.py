@@ -152,3 +152,35 @@ def test_resuming_at_another_world_size_is_a_clear_error(runs, capsys):
                                 resume=os.path.join(runs["two"], "run", "ckpt-000002")))
     with pytest.raises(SystemExit, match="written by 2 processes"):
         train.train(cfg, engine=object())
+
+
+def test_train_py_under_torchrun_with_vllm_engines(tmp_path, model_path):
+    """The real path: `torchrun --nproc_per_node=2 train.py` on the default model, each rank with
+    its own in-process vLLM engine (external_launcher), one step (DAPO refills until some group
+    varies, so the step trains), weights pushed (verified) into both engines, a sharded dev evaluation, the checkpoint written by rank 0, a clean exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--max_steps=1", "--prompts_per_step=4", "--group_size=4", "--max_tokens=96", "--eval_every=0",
+           "--dynamic_sampling=True",
+           "--eval_k=0", "--save_every=0", "--dev_data=" + str(write_dev(tmp_path)), f"--out_dir={tmp_path}",
+           "--run_name=v", "--lr=1e-4"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = tmp_path / "v"
+    (m,) = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert m["step"] == 1 and m["trained_rows"] > 0
+    assert [json.loads(line)["step"] for line in open(run / "dev.jsonl")] == [0, 1]
+    assert "2 processes" in proc.stdout and "dev greedy accuracy" in proc.stdout
+    trained = load_file(str(run / "ckpt-000001" / "model.safetensors"))
+    start = load_file(os.path.join(model_path, "model.safetensors"))
+    assert max((trained[k] - start[k]).abs().max().item() for k in trained) > 0
+
+
+def write_dev(folder):
+    """The first 6 built-in dev problems as a file: a short sharded evaluation."""
+    from data import load_jsonl
+
+    path = folder / "dev6.jsonl"
+    path.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer, "source": p.source}) + "\n"
+                            for p in load_jsonl("builtin-dev")[0][:6]))
+    return path
