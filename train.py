@@ -42,6 +42,7 @@ the reference implementation; policy entropy is measured on the rows that were f
 
 import copy
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -94,7 +95,7 @@ class Config:
     prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
     group_size: int = 6  # K: rollouts per prompt (paper 6; the 2K baseline is 12)
     temperature: float = 0.6  # sampling temperature, also used for training log-probs (paper 0.6)
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling for training rollouts and dev samples (1 = off)
     max_tokens: int = 128  # max response tokens (paper 12,288); also L_max of Dr. GRPO
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, refill with more prompts
     max_refills: int = 3  # bound on DAPO refill rounds per step
@@ -122,7 +123,7 @@ class Config:
     reflect_answer_chars: int = 300  # the policy's answer is cut to this many characters in a reflection record
     reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id (Teacher-Ref)
     reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
-    reflect_temperature: float = 0.8
+    reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
     reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
     context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
@@ -135,9 +136,9 @@ class Config:
     lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
     warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
     adam_beta1: float = 0.9  # AdamW betas (torch defaults; verl uses the same)
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
+    adam_beta2: float = 0.999  # AdamW second-moment decay
+    adam_eps: float = 1e-8  # AdamW denominator epsilon
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
@@ -151,7 +152,7 @@ class Config:
     save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
     log_rollouts: int = 4  # groups per step written to rollouts.jsonl
     seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
-    out_dir: str = "runs"
+    out_dir: str = "runs"  # runs go to out_dir/run_name
     run_name: str = ""  # default: <algo>-<date>-<time>
     resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
 
@@ -177,6 +178,26 @@ def parse_overrides(cfg, argv):
             raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
         setattr(cfg, key, parsed)
     return cfg
+
+
+def config_help():
+    """`python train.py --help`: every Config field with its type, default and the comment
+    beside it in the class, under the class's own section headings."""
+    entries, defaults = [], Config()  # (heading, None, None) | (--name=default, type, comment)
+    for line in inspect.getsource(Config).splitlines()[1:]:
+        text = line.strip()
+        name, colon, rest = text.partition(":")
+        if text.startswith("# ----"):
+            entries.append((text.strip("# -") + ":", None, None))
+        elif colon and name.isidentifier() and "=" in rest:
+            value = getattr(defaults, name)
+            entries.append((f"--{name}={value}", type(value).__name__, rest.split("  # ", 1)[1] if "  # " in rest else ""))
+    width = max(len(e[0]) for e in entries if e[1])
+    lines = ["usage: python train.py [--key=value ...]   (every GPU of a node: torchrun --nproc_per_node=N train.py ...)",
+             "The settings of train.Config with their defaults; the method and its formulas: docs/METHOD.md."]
+    for flag, kind, comment in entries:
+        lines += ["", flag] if kind is None else [f"  {flag:<{width}}  {kind:<5}  {comment}".rstrip()]
+    return "\n".join(lines)
 
 
 def check_config(cfg):
@@ -971,6 +992,9 @@ def print_summary(run_dir, state, dev_records, dev_size):
 
 
 def main(argv):
+    if {"-h", "--help"} & set(argv):
+        print(config_help())
+        return
     cfg = parse_overrides(Config(), argv)
     path = resolve_resume(cfg) if cfg.resume else None
     if path:  # the checkpoint's settings, then the command line's on top

@@ -528,3 +528,22 @@ def test_best_dev_checkpoint_is_kept_and_named(tiny_model, tmp_path):
     assert [json.loads(x)["step"] for x in (run / "dev.jsonl").read_text().splitlines()] == [0, 2, 4]
     loop = torch.load(run / "ckpt-000004" / "trainer.pt", weights_only=False)["loop"]
     assert (loop["best_step"], loop["best_dev"]) == (2, 0.0)
+
+
+def test_help_lists_every_setting_with_its_default_type_and_comment():
+    import dataclasses
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("  --")]
+    fields = dataclasses.fields(Config)
+    assert [words[0].split("=")[0] for words in lines] == [f"--{f.name}" for f in fields]  # all, in class order
+    for f, words in zip(fields, lines):
+        value = getattr(Config(), f.name)
+        assert words[0] == f"--{f.name}={value}" and words[1] == type(value).__name__
+        assert len(words) > 2, f"{f.name} has no comment in Config"
+    for heading in ("model and data:", "rollouts:", "optimisation:", "schedule and outputs:"):
+        assert heading in proc.stdout.splitlines()
