@@ -25,6 +25,8 @@ loss value is -mean(A) (about 0), and its gradient is exactly the policy gradien
 -mean(A grad logp). A loss of ~0 is expected, not a bug.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 LOG_RATIO_CLAMP = 20.0
@@ -119,3 +121,61 @@ def make_batch(prompts, responses, pad_id):
         attention[i, :n] = 1
         response_mask[i, len(p):n] = True
     return input_ids, attention, response_mask
+
+
+@dataclass
+class Packed:
+    """Rows that share a prompt, packed as one sequence: the prompt once, then each response."""
+    input_ids: torch.Tensor  # [S, Lp] one sequence per distinct prompt, right-padded
+    attention: torch.Tensor  # [S, 1, Lp, Lp] bool: query i sees key j (a 4D mask, used as is)
+    position_ids: torch.Tensor  # [S, Lp] every response continues its prompt's positions
+    index: torch.Tensor  # [N] flat positions in [S * Lp] that predict the rows' response tokens
+
+    def to(self, device):
+        return Packed(*(t.to(device) for t in (self.input_ids, self.attention, self.position_ids, self.index)))
+
+
+def pack_rows(prompts, responses, pad_id):
+    """The rows of make_batch(prompts, responses) with each distinct prompt forwarded once.
+
+    Rows with the same prompt become one sequence [prompt, response_1, response_2, ...]. A
+    response token attends to the prompt and to the earlier tokens of its own response only,
+    and takes the positions it has in its own row, so every token is computed exactly as in its
+    own row. `index` lists, for the N response tokens in make_batch's order (row by row, i.e.
+    the order of response_mask[:, 1:].nonzero()), the packed position whose hidden state
+    predicts it: the prompt's last position for a first token (shared by the responses), else
+    the previous token of the same response.
+
+    pack_rows([[5, 6], [5, 6], [7]], [[8, 2], [9, 9, 2], [4, 2]], pad_id=0) ->
+        input_ids [[5, 6, 8, 2, 9, 9, 2],        position_ids [[0, 1, 2, 3, 2, 3, 4],
+                   [7, 4, 2, 0, 0, 0, 0]]                      [0, 1, 2, 0, 0, 0, 0]]
+        index     [1, 2, 1, 4, 5, 7, 8]    (row 0: 1, 2; row 1: 1, 4, 5; row 2: 7 + 0, 7 + 1)
+    """
+    segments = {}  # prompt -> row indices, in first-seen order
+    for i, p in enumerate(prompts):
+        segments.setdefault(tuple(p), []).append(i)
+    width = max(len(p) + sum(len(responses[i]) for i in rows) for p, rows in segments.items())
+    S = len(segments)
+    input_ids = torch.full((S, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((S, width), dtype=torch.long)
+    block = torch.full((S, width), -1, dtype=torch.long)  # -1: prompt (seen by all), k: response k, -2: padding
+    predictor = [None] * len(prompts)
+    for s, (p, rows) in enumerate(segments.items()):
+        n = len(p)
+        input_ids[s, :n] = torch.tensor(p)
+        position_ids[s, :n] = torch.arange(n)
+        offset = n
+        for k, i in enumerate(rows):
+            r = len(responses[i])
+            input_ids[s, offset:offset + r] = torch.tensor(responses[i])
+            position_ids[s, offset:offset + r] = torch.arange(n, n + r)
+            block[s, offset:offset + r] = k
+            predictor[i] = [s * width + n - 1] + [s * width + offset + j for j in range(r - 1)]
+            offset += r
+        block[s, offset:] = -2
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [Lp, Lp]
+    q, kv = block.unsqueeze(2), block.unsqueeze(1)  # [S, Lp, 1], [S, 1, Lp]
+    # padding attends like a response of its own (a query must see at least one key)
+    attention = causal & ((kv == -1) | (q == kv))  # [S, Lp, Lp]
+    index = torch.tensor([j for i in range(len(prompts)) for j in predictor[i]], dtype=torch.long)
+    return Packed(input_ids, attention.unsqueeze(1), position_ids, index)

@@ -42,6 +42,7 @@ the reference implementation; policy entropy is measured on the rows that were f
 
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -141,6 +142,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
+    shared_prompt: bool = True  # forward a prompt once for all rows that share it (grpo.pack_rows; exact). Off for long answers
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
@@ -348,6 +350,7 @@ class MicroBatch:
     sampler_logp: torch.Tensor | None = None  # [B, L-1] the rollout engine's log-probs (0 where unknown)
     sampler_mask: torch.Tensor | None = None  # [B, L-1] bool: positions where sampler_logp is known
     dummy: bool = False  # torchrun: a stand-in that keeps this rank's forwards in step (loss x 0)
+    packed: grpo.Packed | None = None  # shared_prompt: the same rows with each prompt once, for the forward
 
 
 # ----------------------------------------------------------------------------- model helpers
@@ -357,21 +360,25 @@ def autocast(cfg, device):
     return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16)
 
 
-def selected_logits(model, input_ids, attention, loss_mask):
-    """Logits [N, V] at the N positions where loss_mask [B, L-1] is set (those that predict a
-    response token): the LM head is computed there only. Bound to the policy as a method that
-    FSDP treats like forward (load_models)."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state
-    return model.get_output_embeddings()(hidden[:, :-1][loss_mask])
+def selected_logits(model, input_ids, attention, loss_mask=None, position_ids=None, index=None):
+    """Logits [N, V] at the N positions that predict a response token: where loss_mask [B, L-1]
+    is set, or (packed rows, grpo.pack_rows) at the flat positions `index`. The LM head is
+    computed there only. Bound to the policy as a method that FSDP treats like forward."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).last_hidden_state
+    selected = hidden[:, :-1][loss_mask] if index is None else hidden.flatten(0, 1)[index]
+    return model.get_output_embeddings()(selected)
 
 
-def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False):
+def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False, packed=None):
     """Log-probs of the response tokens, computing the LM head only where loss_mask is set.
-    input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy."""
-    if hasattr(model, "selected_logits"):  # the policy (sharded or not)
-        logits = model.selected_logits(input_ids, attention, loss_mask)  # [N, V]
+    input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy.
+    With `packed` (grpo.pack_rows of the same rows) each shared prompt is forwarded once; the
+    result is the same, laid out the same."""
+    forward = model.selected_logits if hasattr(model, "selected_logits") else functools.partial(selected_logits, model)
+    if packed is None:
+        logits = forward(input_ids, attention, loss_mask)  # [N, V]
     else:
-        logits = selected_logits(model, input_ids, attention, loss_mask)
+        logits = forward(packed.input_ids, packed.attention, position_ids=packed.position_ids, index=packed.index)
     targets = input_ids[:, 1:][loss_mask]  # [N]
     logp = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
     logp[loss_mask] = grpo.token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
@@ -382,12 +389,14 @@ def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_
     return logp, ent
 
 
-def row_logprobs(model, prompts, responses, pad_id, temperature):
-    """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in)."""
+def row_logprobs(model, prompts, responses, pad_id, temperature, shared=False):
+    """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in);
+    shared: rows with the same prompt forward it once (grpo.pack_rows)."""
     device = next(model.parameters()).device
     ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
     mask = response_mask[:, 1:]  # [B, L-1]
-    logp, _ = response_logprobs(model, ids, attention, mask, temperature)
+    packed = grpo.pack_rows(prompts, responses, pad_id).to(device) if shared else None
+    logp, _ = response_logprobs(model, ids, attention, mask, temperature, packed=packed)
     return [row[m] for row, m in zip(logp, mask)]
 
 
@@ -479,26 +488,29 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
     Under torchrun every rank must run the same forwards (FSDP gathers each layer's weights
     collectively): a rank with fewer micro-batches than another gets zero-weight `dummy` ones,
     and the CRM pass runs on every rank when any rank has templated rows in that micro-batch."""
-    rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))  # less padding
-    chunks = [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    chunks = micro_chunks(rows, cfg.micro_batch_size, cfg.shared_prompt)
     batches, crm, device = [], distill.CrmSums(), next(policy.parameters()).device
     with torch.no_grad(), autocast(cfg, device):
         for i in range(dist.all_max(len(chunks))):
             chunk = chunks[i] if i < len(chunks) else [Row([pad_id], [pad_id], 0.0)]  # dummy: weight 0 below
-            ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(
-                [r.prompt_ids for r in chunk], [r.response_ids for r in chunk], pad_id))
+            prompts, responses = [r.prompt_ids for r in chunk], [r.response_ids for r in chunk]
+            ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
             b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk], device=device),
                            dummy=i >= len(chunks))
+            if cfg.shared_prompt:
+                b.packed = grpo.pack_rows(prompts, responses, pad_id).to(device)
             if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:  # later optimizer steps need pre-update log-probs
-                b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature)[0]
+                b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature, packed=b.packed)[0]
             if reference is not None:
-                b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature)[0]
+                b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature,
+                                               packed=b.packed)[0]
             b.sampler_logp, b.sampler_mask = sampler_logprobs(chunk, b.loss_mask)
             templated = [j for j, r in enumerate(chunk) if r.tilde_prompt_ids is not None]
             if dist.all_max(int(bool(templated))):  # one pass: the templated rows under x, then under x~
                 prompts = [chunk[j].prompt_ids for j in templated] + [chunk[j].tilde_prompt_ids for j in templated]
                 responses = [chunk[j].response_ids for j in templated] * 2
-                both = row_logprobs(policy, prompts or [[pad_id]], responses or [[pad_id]], pad_id, cfg.temperature)
+                both = row_logprobs(policy, prompts or [[pad_id]], responses or [[pad_id]], pad_id, cfg.temperature,
+                                    shared=cfg.shared_prompt)
             if templated:
                 plain, tilde = [None] * len(chunk), [None] * len(chunk)
                 for q, j in enumerate(templated):
@@ -508,6 +520,28 @@ def micro_batches(rows, policy, reference, cfg, pad_id):
                 crm += sums
             batches.append(b)
     return batches, crm
+
+
+def micro_chunks(rows, size, shared):
+    """Rows -> micro-batches of at most `size` rows. Unshared: sorted by length (less padding).
+    Shared (grpo.pack_rows): the rows of one prompt stay together -- a group under x, or the
+    rollouts of one template under x~ in the ablation -- and whole such segments fill each
+    micro-batch (a segment longer than `size` is cut), similar lengths together."""
+    if not shared:
+        rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
+    segments = {}
+    for r in rows:
+        segments.setdefault(tuple(r.prompt_ids), []).append(r)
+    pieces = [seg[i:i + size] for seg in segments.values() for i in range(0, len(seg), size)]
+    pieces.sort(key=lambda piece: len(piece[0].prompt_ids) + sum(len(r.response_ids) for r in piece))
+    chunks = []
+    for piece in pieces:
+        if chunks and len(chunks[-1]) + len(piece) <= size:
+            chunks[-1] = chunks[-1] + piece
+        else:
+            chunks.append(piece)
+    return chunks
 
 
 def sampler_logprobs(rows, loss_mask):
@@ -528,7 +562,8 @@ def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, wit
     loss), and sums for the logs. The CRM weight multiplies the policy-gradient term only; the
     KL term counts every response token."""
     with autocast(cfg, b.input_ids.device):
-        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy)
+        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
+                                      b.packed)
     old_logp = logp.detach() if b.old_logp is None else b.old_logp  # ppo_epochs == 1: rho == 1
     pg, clipped = grpo.ppo_clip_token_loss(logp, old_logp, b.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
     mask = b.loss_mask.float()  # [B, L-1]

@@ -146,3 +146,28 @@ def test_make_batch_keeps_eos_in_the_mask_even_when_pad_equals_eos():
     # the loss positions: the EOS (2) of both rows is a target with mask 1
     targets, loss_mask = ids[:, 1:], mask[:, 1:]
     assert targets[loss_mask].tolist() == [8, 2, 9, 9, 9, 2]
+
+
+def test_pack_rows_worked_example():
+    """The docstring example of grpo.pack_rows, by hand: rows 0 and 1 share [5, 6]."""
+    from grpo import pack_rows
+
+    p = pack_rows([[5, 6], [5, 6], [7]], [[8, 2], [9, 9, 2], [4, 2]], pad_id=0)
+    assert p.input_ids.tolist() == [[5, 6, 8, 2, 9, 9, 2], [7, 4, 2, 0, 0, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4], [0, 1, 2, 0, 0, 0, 0]]
+    assert p.index.tolist() == [1, 2, 1, 4, 5, 7, 8]
+    # sequence 0: the prompt (0, 1) is seen by all; response 1 (4-6) never sees response 0 (2, 3)
+    assert p.attention[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0, 0],
+                                                [1, 1, 0, 0, 0, 0, 0],
+                                                [1, 1, 1, 0, 0, 0, 0],
+                                                [1, 1, 1, 1, 0, 0, 0],
+                                                [1, 1, 0, 0, 1, 0, 0],
+                                                [1, 1, 0, 0, 1, 1, 0],
+                                                [1, 1, 0, 0, 1, 1, 1]]
+    # the index picks, for make_batch's response tokens in order, the position that predicts each
+    ids, _, mask = make_batch([[5, 6], [5, 6], [7]], [[8, 2], [9, 9, 2], [4, 2]], pad_id=0)
+    targets = ids[:, 1:][mask[:, 1:]]
+    assert targets.tolist() == [8, 2, 9, 9, 2, 4, 2]
+    flat, firsts = p.input_ids.flatten(), {0, 2, 5}  # each row's first response token: predicted by its prompt
+    for n, (i, target) in enumerate(zip(p.index.tolist(), targets.tolist())):
+        assert flat[i + 1] == target if n not in firsts else flat[i] == [6, 6, 7][[0, 2, 5].index(n)]

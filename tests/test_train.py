@@ -547,3 +547,67 @@ def test_help_lists_every_setting_with_its_default_type_and_comment():
         assert len(words) > 2, f"{f.name} has no comment in Config"
     for heading in ("model and data:", "rollouts:", "optimisation:", "schedule and outputs:"):
         assert heading in proc.stdout.splitlines()
+
+
+def shared_rows():
+    """Three groups sharing prompts within each group (responses of 1-9 tokens, some ending in
+    EOS = pad = 2), one distilled templated row with its x~, and a fourth 'group' trained under two
+    template prompts (the no-distillation ablation's layout); advantages of both signs."""
+    import random
+
+    rng = random.Random(7)
+    Row, rows = train.Row, []
+    for g in range(3):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(4, 12))]
+        for k in range(4):
+            response = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 9))] + ([2] if k % 2 else [])
+            tilde = [40, 41] + prompt if (g, k) == (1, 2) else None
+            rows.append(Row(prompt, response, rng.choice([-1.0, -0.3, 0.6, 1.2]), tilde_prompt_ids=tilde, group=g))
+    for k in range(4):
+        prompt = [50 + k % 2, 60, 61, 62]
+        rows.append(Row(prompt, [rng.randrange(3, 200) for _ in range(k + 2)], 0.5 - k * 0.3, group=3))
+    return rows
+
+
+def test_shared_prompt_logprobs_and_gradients_equal_the_row_layout(tiny_model):
+    """Issue 9: each prompt forwarded once for all its rows gives the same log-probs and the same
+    gradients as one row per response (float32, random weights)."""
+    rows = shared_rows()
+    prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
+    ids, attention, response_mask = train.grpo.make_batch(prompts, responses, 2)
+    mask = response_mask[:, 1:]
+    packed = train.grpo.pack_rows(prompts, responses, 2)
+    assert packed.input_ids.shape[0] == 5 and packed.input_ids.numel() < ids.numel()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
+    results = []
+    for p in (None, packed):
+        model = load_tiny(tiny_model)
+        logp, ent = train.response_logprobs(model, ids, attention, mask, 0.7, with_entropy=True, packed=p)
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), ent, {n: q.grad for n, q in model.named_parameters()}))
+    (a, ent_a, grad_a), (b, ent_b, grad_b) = results
+    torch.testing.assert_close(b, a, atol=2e-6, rtol=0)
+    assert (b[~mask] == 0).all()
+    torch.testing.assert_close(ent_b, ent_a, atol=2e-5, rtol=0)
+    for name in grad_a:
+        torch.testing.assert_close(grad_b[name], grad_a[name], atol=1e-5, rtol=1e-4)
+
+
+def test_policy_update_with_shared_prompts_equals_the_row_layout(tiny_model):
+    """The whole update (micro-batches, 2 mini-batches, CRM pass, KL to a reference) with and
+    without shared prompts: same SGD step, same logged sums."""
+    out = []
+    for shared in (False, True):
+        model, reference = load_tiny(tiny_model), load_tiny(tiny_model).eval()
+        cfg = update_config(shared_prompt=shared, micro_batch_size=5, mini_batches=2, kl_beta=0.05,
+                            crm_low=0.5, crm_high=2.0)
+        update = train.policy_update(model, reference, torch.optim.SGD(model.parameters(), lr=0.5), shared_rows(), cfg, 2)
+        out.append((update, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    (u0, p0), (u1, p1) = out
+    assert u0.finite and u1.finite and u0.trained_rows == u1.trained_rows == 16
+    assert u1.loss == pytest.approx(u0.loss, abs=1e-6) and u1.grad_norm == pytest.approx(u0.grad_norm, rel=1e-5)
+    for key in ("kl_sum", "entropy_sum", "crm_templated_tokens", "crm_out_of_band_tokens", "crm_log_ratio_sum"):
+        assert u1.sums[key] == pytest.approx(u0.sums[key], rel=1e-5, abs=1e-6), key
+    assert u0.sums["crm_templated_tokens"] > 0
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], atol=1e-6, rtol=0)
