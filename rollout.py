@@ -73,10 +73,10 @@ def checksum(tensors, dtype):
     three are independent of element order, so a fused or repacked copy has the same values."""
     count, total, squares = 0, 0.0, 0.0
     for t in tensors:
-        t = t.detach().to(dtype).double()
+        t = t.detach().to(dtype)
         count += t.numel()
-        total += t.sum().item()
-        squares += t.square().sum().item()
+        total += t.sum(dtype=torch.float64).item()  # accumulated in float64 without a float64 copy
+        squares += torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2
     return count, total, squares
 
 
@@ -217,6 +217,8 @@ class VLLMRollout:
         are repacked into opaque oneDNN buffers, leaving embeddings and norms to check, plus a
         probe that each remaining packed copy (the LM head) computes with its current weight."""
         self.wake()
+        # fp32 tensors go in as they are: the engine casts each while copying it into its own
+        # parameter (measured 0.04 s for the default model), cheaper than a cast here (0.10 s)
         items = [(k, v.detach()) for k, v in state_dict.items()
                  if not (self.tied_embeddings and k == "lm_head.weight")]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
