@@ -1,7 +1,7 @@
 """Evaluate a model on one or more benchmarks: greedy accuracy, avg@k and unbiased pass@k.
 
     python eval.py                                         # default model, built-in test split
-    python eval.py --model=runs/x/ckpt-000030 --data=aime24,math500 --out=out/eval.json
+    python eval.py --model=runs/<run>/latest --data=aime24,math500 --out=out/eval.json
     python eval.py --data=builtin-test --k=16 --temperature=0.6
     torchrun --nproc_per_node=8 eval.py --model=Qwen/Qwen3-4B --data=aime24   # one engine per GPU, rank 0 writes
 

@@ -82,8 +82,13 @@ def convert_gguf(gguf_path, out_dir):
 
 
 def resolve_model(name_or_path=DEFAULT_MODEL):
-    """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept."""
+    """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept. A path that
+    exists must be a model folder (with config.json), e.g. runs/<run>/latest; anything else that
+    exists is a clear error here rather than a parse error deep inside transformers."""
     if name_or_path != DEFAULT_MODEL:
+        if os.path.exists(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise SystemExit(f"{name_or_path}: not a model folder (no config.json); a run's checkpoints are "
+                             "runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
         return name_or_path
     out_dir = os.path.join(cache_root(), CACHE_NAME)
     if not os.path.isdir(out_dir):

@@ -137,7 +137,7 @@ class VLLMRollout:
 
     def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gib=1,
                  gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None,
-                 external_launcher=False):
+                 external_launcher=False, progress_bars=True):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -151,7 +151,8 @@ class VLLMRollout:
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                       use_tqdm_on_load=progress_bars, **kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.chat_template_kwargs = chat_template_kwargs
         self.asleep = False

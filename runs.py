@@ -5,7 +5,7 @@
                               + trainer.pt: config, loop state, optimizer, scheduler, RNG states
                               (under torchrun the optimizer shard and RNG states of rank R
                               are in rank-R.pt beside it)
-        latest, best          the name of the newest / best-dev checkpoint (one line each)
+        latest, best          symlinks to the newest / best-dev checkpoint (model folders too)
         metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
         dev.jsonl             one line per dev eval    tb/              TensorBoard events
         gepa-epoch-N.json     one GEPA round           abandoned/       what a resume set aside
@@ -118,8 +118,25 @@ def load_rank_state(path, rank):
 
 
 def point(run_dir, pointer, step):
-    """Write the one-line file `pointer` (latest, best) naming ckpt-<step>, atomically."""
-    write_atomic(os.path.join(run_dir, pointer), lambda tmp: open(tmp, "w").write(f"ckpt-{step:06d}\n"))
+    """Make `pointer` (latest, best) a relative symlink to ckpt-<step>, atomically (a new link
+    renamed over the old one): runs/<run>/latest is a model folder wherever a path is taken."""
+    path = os.path.join(run_dir, pointer)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(f"ckpt-{step:06d}", tmp)
+    os.replace(tmp, path)
+
+
+def pointer_target(run_dir, pointer):
+    """The checkpoint name `pointer` names (a symlink; a one-line file in runs written before
+    pointers were links), or None."""
+    path = os.path.join(run_dir, pointer)
+    if os.path.islink(path):
+        return os.readlink(path)
+    if os.path.isfile(path):
+        return open(path).read().strip()
+    return None
 
 
 def load_trainer_state(path):
@@ -143,11 +160,12 @@ def resolve_resume(cfg):
         return cfg.resume
     if not cfg.run_name:
         raise SystemExit("--resume=auto needs --run_name")
-    latest = os.path.join(cfg.out_dir, cfg.run_name, "latest")
-    if not os.path.isfile(latest):
-        print(f"--resume=auto: no checkpoint yet ({latest} does not exist); starting from scratch")
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    target = pointer_target(run_dir, "latest")
+    if target is None:
+        print(f"--resume=auto: no checkpoint yet ({run_dir}/latest does not exist); starting from scratch")
         return None
-    return os.path.join(cfg.out_dir, cfg.run_name, open(latest).read().strip())
+    return os.path.join(run_dir, target)
 
 
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "dev.jsonl")
@@ -162,7 +180,7 @@ def start_branch(run_dir, step, epoch, resumed_from):
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
         if name.startswith(".partial-") or ".tmp-" in name:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
             continue
         if checkpoint_step(name) is not None:  # a trainer.pt replacement cut by a kill
             for inner in os.listdir(path):
@@ -178,9 +196,9 @@ def start_branch(run_dir, step, epoch, resumed_from):
             os.rename(path, os.path.join(trash, name))
     kept = [n for n in map(checkpoint_step, os.listdir(run_dir)) if n is not None]
     for name in ("latest", "best"):  # a pointer into what was set aside points nowhere now
-        path = os.path.join(run_dir, name)
-        if os.path.isfile(path) and not os.path.isdir(os.path.join(run_dir, open(path).read().strip())):
-            os.remove(path)
+        target = pointer_target(run_dir, name)
+        if target is not None and checkpoint_step(target) not in kept:
+            os.remove(os.path.join(run_dir, name))
             if name == "latest" and kept:  # --resume=auto must still find this branch's newest
                 point(run_dir, "latest", max(kept))
     for name in LOG_FILES:
@@ -198,6 +216,34 @@ def start_branch(run_dir, step, epoch, resumed_from):
             with open(os.path.join(trash, name), "a") as f:
                 f.writelines(drop)
             write_atomic(path, lambda tmp: open(tmp, "w").writelines(keep))
+
+
+def route_library_logs(run_dir, rank=0):
+    """Send vLLM's, transformers' and Python's warnings to <run>/engine.log (engine-rank<R>.log
+    under torchrun) instead of the console, which keeps the project's own lines: the config,
+    the progress bar, dev evaluations, GEPA summaries and the final summary. Call before the
+    engine is created; train.py skips it with --verbose=True. A few lines printed by C++ code
+    at engine start-up (thread binding, NUMA) bypass Python's logging and still reach stderr."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    handler = logging.FileHandler(os.path.join(run_dir, "engine.log" if rank == 0 else f"engine-rank{rank}.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # a vLLM imported from now on adds no console handler
+    hf_logging.disable_default_handler()
+    for name in ("vllm", "py.warnings", "transformers"):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):  # a vLLM imported earlier (a test's engine), an earlier run's file
+            logger.removeHandler(old)
+            if isinstance(old, logging.FileHandler):
+                old.close()
+        logger.addHandler(handler)
+        logger.propagate = False
+    logging.getLogger("vllm").setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    hf_logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
+    return handler
 
 
 class RunLog:

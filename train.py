@@ -70,8 +70,8 @@ from model import resolve_model
 from plot import plot_run
 from prompts import FORMATS, problem_messages
 from rollout import HFRollout, encode_prompt, make_rollout
-from runs import (RunLog, load_rank_state, load_trainer_state, point, resolve_resume, save_checkpoint, start_branch,
-                  write_atomic)
+from runs import (RunLog, load_rank_state, load_trainer_state, point, resolve_resume, route_library_logs,
+                  save_checkpoint, start_branch, write_atomic)
 from verify import reward as verify_reward
 
 
@@ -157,6 +157,7 @@ class Config:
     out_dir: str = "runs"  # runs go to out_dir/run_name
     run_name: str = ""  # default: <algo>-<date>-<time>
     resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
+    verbose: bool = False  # True: engine and library logs on the console too (else in <run>/engine.log)
 
 
 def parse_overrides(cfg, argv):
@@ -813,7 +814,7 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
                               max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
                               kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                               sleep_level=cfg.vllm_sleep_level, chat_template_kwargs=chat_kwargs,
-                              external_launcher=dist.active())
+                              external_launcher=dist.active(), progress_bars=cfg.verbose)
     elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
         engine.push_weights(dist.full_state_dict(policy))
     return policy, reference, tokenizer, engine
@@ -866,6 +867,9 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     if main:
         os.makedirs(run_dir, exist_ok=True)
         print(json.dumps(dataclasses.asdict(cfg), indent=1) + (f"\n{world} processes" if world > 1 else ""))
+    if not cfg.verbose:
+        dist.barrier()  # rank 0 made the run folder
+        route_library_logs(run_dir, rank)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -124,3 +124,24 @@ def test_eval_under_torchrun_shards_problems_and_rank0_merges(tiny_model, tmp_pa
     result = json.loads((tmp_path / "two.json").read_text())["results"][str(path)]
     assert result["overall"]["problems"] == 5 and set(result["by_source"]) == {"builtin/add1", "builtin/add2"}
     assert not list(tmp_path.glob("two*rank*"))  # only rank 0 wrote
+
+
+def test_eval_takes_a_runs_latest_link_as_model(tiny_model, tmp_path, capsys):
+    """Issue 10: `python eval.py --model=runs/<run>/latest` loads the checkpoint it links to; a run
+    folder itself (not a model) is a one-line error."""
+    import shutil
+
+    from runs import point
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tiny_model, run / "ckpt-000002")
+    point(str(run), "latest", 2)
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(2)))
+    args = ["--backend=hf", "--dtype=float32", f"--data={data}", "--k=0", "--max_tokens=4"]
+    assert evaluation.main([f"--model={run / 'latest'}", *args, f"--out={tmp_path / 'e.json'}"]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["results"][str(data)]["overall"]["problems"] == 2
+    with pytest.raises(SystemExit, match="not a model folder"):
+        evaluation.main([f"--model={run}", *args])

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from runs import checkpoint_step, resolve_resume, start_branch, write_atomic
+from runs import checkpoint_step, point, resolve_resume, start_branch, write_atomic
 from train import Config
 
 
@@ -68,8 +68,10 @@ def test_resolve_resume(tmp_path):
     cfg = Config(out_dir=str(tmp_path), run_name="r", resume="auto")
     assert resolve_resume(cfg) is None  # nothing saved yet: start from scratch
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "latest").write_text("ckpt-000010\n")
+    (tmp_path / "r" / "latest").write_text("ckpt-000010\n")  # a run written before pointers were links
     assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000010")
+    point(str(tmp_path / "r"), "latest", 12)
+    assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000012")
     with pytest.raises(SystemExit, match="run_name"):
         resolve_resume(Config(resume="auto"))
 
@@ -78,11 +80,35 @@ def test_pointers_into_what_was_set_aside_are_removed(tmp_path):
     run = tmp_path / "run"
     for name in ("ckpt-000002", "ckpt-000004"):
         (run / name).mkdir(parents=True)
-    (run / "latest").write_text("ckpt-000004\n")
-    (run / "best").write_text("ckpt-000002\n")
+    point(str(run), "latest", 4)
+    point(str(run), "best", 2)
     start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
-    assert (run / "latest").read_text() == "ckpt-000002\n"  # --resume=auto finds the new branch
-    assert (run / "best").read_text() == "ckpt-000002\n"
-    (run / "best").write_text("ckpt-000004\n")
+    assert os.readlink(run / "latest") == "ckpt-000002"  # --resume=auto finds the new branch
+    assert os.readlink(run / "best") == "ckpt-000002"
+    point(str(run), "best", 4)
     start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
-    assert not (run / "best").exists()  # train.py re-points it from its LoopState
+    assert not os.path.lexists(run / "best")  # train.py re-points it from its LoopState
+
+
+def test_pointers_are_relative_links_that_load_as_model_folders(tmp_path, tiny_model):
+    """`latest` and `best` work wherever a model path is taken; a folder that is not a model is a
+    clear error, not a JSON error inside transformers."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from model import resolve_model
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(tiny_model, run / "ckpt-000003")
+    point(str(run), "latest", 3)
+    (run / "latest.tmp-1").symlink_to("ckpt-000003")  # a link left by a killed process
+    start_branch(str(run), step=3, epoch=0, resumed_from=str(run / "ckpt-000003"))
+    assert not os.path.lexists(run / "latest.tmp-1") and (run / "ckpt-000003").is_dir()
+    moved = tmp_path / "moved"
+    shutil.move(str(run), moved)  # relative: the run folder can move
+    assert os.readlink(moved / "latest") == "ckpt-000003"
+    assert AutoConfig.from_pretrained(resolve_model(str(moved / "latest"))).hidden_size == 32
+    with pytest.raises(SystemExit, match="not a model folder"):
+        resolve_model(str(moved))

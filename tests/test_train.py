@@ -66,7 +66,7 @@ def test_two_steps_end_to_end(tiny_model, tmp_path):
         assert abs(x["loss"]) < 1e-6  # rho == 1 with one update per batch
     ckpt = out["checkpoint"]
     assert os.path.basename(ckpt) == "ckpt-000002"
-    assert open(os.path.join(str(tmp_path), "t", "latest")).read().strip() == "ckpt-000002"
+    assert os.readlink(os.path.join(str(tmp_path), "t", "latest")) == "ckpt-000002"
     from transformers import AutoModelForCausalLM
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -386,7 +386,7 @@ def test_resuming_an_earlier_checkpoint_starts_a_clean_branch(tiny_model, tmp_pa
     out = train.train(tiny_config(tiny_model, tmp_path, max_steps=4, save_every=2, lr=5e-3,
                                   resume=str(run / "ckpt-000002")), reward_fn=parity_reward)
     assert [x["step"] for x in read_metrics(run)] == [1, 2, 3, 4]
-    assert (run / "latest").read_text().strip() == "ckpt-000004"
+    assert os.readlink(run / "latest") == "ckpt-000004"
     new4 = load_tiny(str(run / "ckpt-000004"))
     assert all(torch.equal(a, b) for a, b in zip(new4.parameters(), out["policy"].parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(new4.parameters(), old4.parameters()))  # lr differs
@@ -524,7 +524,7 @@ def test_best_dev_checkpoint_is_kept_and_named(tiny_model, tmp_path):
                       max_steps=4, save_every=0, prompts_per_step=2)
     train.train(cfg, reward_fn=parity_reward)
     run = tmp_path / "t"
-    assert (run / "best").read_text().strip() == "ckpt-000002" and (run / "ckpt-000002" / "model.safetensors").exists()
+    assert os.readlink(run / "best") == "ckpt-000002" and (run / "ckpt-000002" / "model.safetensors").exists()
     assert [json.loads(x)["step"] for x in (run / "dev.jsonl").read_text().splitlines()] == [0, 2, 4]
     loop = torch.load(run / "ckpt-000004" / "trainer.pt", weights_only=False)["loop"]
     assert (loop["best_step"], loop["best_dev"]) == (2, 0.0)
@@ -611,3 +611,47 @@ def test_policy_update_with_shared_prompts_equals_the_row_layout(tiny_model):
     assert u0.sums["crm_templated_tokens"] > 0
     for k in p0:
         torch.testing.assert_close(p1[k], p0[k], atol=1e-6, rtol=0)
+
+
+def test_a_resumed_run_prints_its_whole_before_after_line(tiny_model, tmp_path, capsys):
+    """Issue 10: the closing 'dev greedy accuracy: before -> after' line of a resumed run takes the
+    first evaluation from dev.jsonl (it happened before the interruption)."""
+    import re
+
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "problem": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n"
+                           for i in range(3)))
+    over = dict(dev_data=str(dev), eval_every=1, eval_k=0)
+    train.train(tiny_config(tiny_model, tmp_path, **over), reward_fn=parity_reward)
+    capsys.readouterr()
+    train.train(tiny_config(tiny_model, tmp_path, max_steps=4, resume="auto", **over), reward_fn=parity_reward)
+    out = capsys.readouterr().out
+    assert "dev @ step 0" not in out  # the first evaluation is not repeated ...
+    assert re.search(r"dev greedy accuracy: \d\.\d{3} before \(step 0\) -> \d\.\d{3} after \(step 4; 3 problems\)", out)
+
+
+def test_console_keeps_the_projects_lines_and_engine_logs_go_to_a_file(tmp_path):
+    """Issue 10: a default-model run with vLLM prints its config, progress, dev evaluations and
+    summary, and none of the engine's log lines (each weight push used to print ~240); those are
+    in <run>/engine.log."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text(json.dumps({"id": "d0", "problem": "What is 2 + 3?", "answer": "5"}) + "\n")
+    proc = subprocess.run([sys.executable, "train.py", "--max_steps=2", "--prompts_per_step=4", "--group_size=4",
+                           "--max_tokens=96", "--eval_every=1", "--eval_k=0", "--save_every=0", f"--dev_data={dev}",
+                           f"--out_dir={tmp_path}", "--run_name=quiet", "--dynamic_sampling=True"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = [line for line in (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
+               if not line.startswith(' "')]  # the printed config names vllm settings
+    engine_lines = [line for line in console if "(MainProcess pid=" in line or "vllm" in line.lower()
+                    or "Loading weights" in line or "Writing model shards" in line]
+    assert engine_lines == [], engine_lines[:5]
+    text = "\n".join(console)
+    assert "dev @ step 0" in text and "dev greedy accuracy" in text and '"max_steps": 2' in proc.stdout
+    trained = [json.loads(line)["trained_rows"] for line in open(tmp_path / "quiet" / "metrics.jsonl")]
+    log = (tmp_path / "quiet" / "engine.log").read_text()
+    assert "vllm" in log and (sum(trained) == 0 or "Reloading and processing weights" in log)  # a push, if any

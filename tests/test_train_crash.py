@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "crash_child.py")
 RUN = "crash"  # crash_child.RUN_NAME
@@ -72,8 +74,7 @@ def run_child(out_dir, model, data, log, *flags, kill_when=None):
 
 
 def read_latest(run_dir):
-    path = os.path.join(run_dir, "latest")
-    return open(path).read().strip() if os.path.isfile(path) else None
+    return runs.pointer_target(run_dir, "latest")
 
 
 def tail(log):
