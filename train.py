@@ -40,6 +40,7 @@ gradient is exactly zero) but their tokens still count in the token-mean denomin
 the reference implementation; policy entropy is measured on the rows that were forwarded.
 """
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -625,17 +626,21 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
     if cfg.ppo_epochs * len(parts) > 1:
         snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
     losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[4] for p in parts))
+    device = next(policy.parameters()).device
     for epoch in range(cfg.ppo_epochs):
         for batches, tokens, n_rows, pg_denominator, _ in parts:
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for b in batches:
-                loss, s = micro_batch_loss(policy, b, cfg, max(pg_denominator, 1e-9), tokens, n_rows,
-                                           with_entropy=epoch == 0)
-                loss.backward()
-                loss_sum += loss.item()
-                sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
-                sums.update(s)
+            # one autocast region for all micro-batches: each weight is cast to bf16 once a step, not
+            # once a micro-batch. Not under FSDP, where that cache would hold every layer's gathered weights
+            with autocast(cfg, device) if not dist.active() else contextlib.nullcontext():
+                for b in batches:
+                    loss, s = micro_batch_loss(policy, b, cfg, max(pg_denominator, 1e-9), tokens, n_rows,
+                                               with_entropy=epoch == 0)
+                    loss.backward()
+                    loss_sum += loss.item()
+                    sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
+                    sums.update(s)
             grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip) if batches else 0.0  # global norm
             loss_sum = dist.all_sum(loss_sum)
             losses.append(loss_sum)
