@@ -173,8 +173,7 @@ def main(argv=None):
                   + (f", over {world} processes" if world > 1 else ""))
         mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
                               args.max_tokens, seed=args.seed + rank, prompt_format=args.prompt_format)
-        position = {p.id: i for i, p in enumerate(problems)}
-        records = sorted((r for part in dist.gather_objects(mine) for r in part), key=lambda r: position[r["id"]])
+        records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
         all_records[name] = records

@@ -770,6 +770,13 @@ def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights=None, run_ge
     state.epoch = stream.epoch_of(state.consumed)
 
 
+def share_loop_state(state):
+    """Rank 0's LoopState (hard set, GEPA result, assignment, accounting) on every rank, in
+    place; nothing to do in one process. Called after rank 0 alone ran end_of_epoch."""
+    for key, value in dist.broadcast_object(fields_of(state)).items():
+        setattr(state, key, value)
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -955,8 +962,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
                 weights = dist.full_state_dict(policy) if gepa_due else None  # collective: before rank 0 goes alone
                 if main:
                     end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights)
-                for key, value in dist.broadcast_object(fields_of(state)).items():  # rank 0's P²O state everywhere
-                    setattr(state, key, value)
+                share_loop_state(state)
                 if gepa_due:
                     checkpoint()
             t0 = time.perf_counter()
@@ -997,8 +1003,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
         if state.step >= total_steps and stream.epoch_of(state.consumed) > state.epoch:
             if main:
                 end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=False)  # log the last hard set
-            for key, value in dist.broadcast_object(fields_of(state)).items():
-                setattr(state, key, value)
+            share_loop_state(state)
         final_path = checkpoint()
         if dist.all_max(int(stop.signal is not None)):  # every rank takes the same branch
             if main:
