@@ -14,9 +14,14 @@ The search is pure logic around two callables, so it can be read and tested alon
     result.assignment  -> {"builtin-two_step-train-0003": [t1, t1, t2, t1, t2, t1], ...}
 
 `cfg` everywhere is train.Config (duck-typed, never imported here); only its GEPA and guard
-fields are read: gepa_budget, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
+fields are read: gepa_budget, gepa_auto, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
 gepa_max_iterations, max_template_chars, template_max_growth, guard_copy_words,
-reflect_answer_chars.
+reflect_answer_chars, bare_rollout.
+
+Human-Ref: `run_gepa(..., seeds=[...])` starts the pool with given templates beside the empty
+one (train.py reads them from --seed_templates); they are scored on dev, selected, covered and
+assigned by the same code as evolved candidates, so a round can pick a seed, an evolved child or
+nothing.
 
 One iteration: per-item Pareto fronts over the dev scores -> prune dominated candidates ->
 sample parents with probability proportional to their number of fronts -> for each parent:
@@ -30,11 +35,14 @@ The budget is a hard cap: metric_calls <= gepa_budget always. One proposal costs
 2b + |dev| calls, and a proposal starts only while that many calls remain unreserved, so an
 accepted child can always be scored on dev; an iteration takes parents one by one while the next
 reservation fits (so it may have fewer than W), and the round ends when not even one fits. The
-dev set is capped so that the seed's dev evaluation plus one full proposal fit:
-|dev| = min(gepa_dev_max, half of the hard set (at least 1), (budget - 2b) // 2); a budget too
-small for that raises ValueError rather than silently assigning no templates.
+dev set is capped so that the seeds' dev evaluations plus one full proposal fit:
+|dev| = min(gepa_dev_max, half of the hard set (at least 1), (budget - 2b) // (2 + seeds)); a
+budget too small for that raises ValueError rather than silently assigning no templates. With a
+preset (gepa_auto: the reference code's light ... heavy_16) the budget is computed from |dev|
+instead (auto_budget).
 """
 
+import math
 import re
 import string
 from collections import Counter
@@ -64,7 +72,7 @@ class GepaResult:
     chosen: list  # set-cover indices into pool
     log: list = field(default_factory=list)  # one entry per proposal: parent, outcome, reason
     metric_calls: int = 0  # never above budget
-    budget: int = 0  # cfg.gepa_budget of the round
+    budget: int = 0  # the round's budget: cfg.gepa_budget, or the preset's for its dev set
     reflection_calls: int = 0
     rejections: Counter = field(default_factory=Counter)
 
@@ -80,15 +88,55 @@ class GepaResult:
 # ----------------------------------------------------------------------------- selection
 
 
-def dev_cap(cfg):
-    """Most dev items the budget allows: min(gepa_dev_max, (budget - 2b) // 2), so that the seed's
-    dev evaluation (|dev|) plus one full proposal (2b + |dev|) fit in it. E.g. budget 200, b 3 -> 97."""
+# The reference code's budget presets: candidates per round (its `trainer.gepa.auto`).
+AUTO_CANDIDATES = {"light": 6, "medium": 12, "heavy": 18, "heavy_2": 36, "heavy_3": 54, "heavy_4": 72, "heavy_16": 288}
+
+
+def auto_budget(preset, dev_size, minibatch=35, full_eval_every=5):
+    """Metric calls of a preset for a dev set of dev_size, by the rule the reference code takes
+    from DSPy's GEPA: C candidates give N = max(4 log2 C, 1.5 C) trials of `minibatch` calls,
+    plus 5 calls per candidate, plus one dev evaluation at the start and every `full_eval_every`
+    trials: V + 5C + N M + ((N + 1) // m + 1 + [N < m]) V. E.g. heavy_4 (C 72 -> N 108),
+    V 300: 300 + 360 + 3780 + 22 x 300 = 11040."""
+    c = AUTO_CANDIDATES[preset]
+    trials = int(max(4 * math.log2(max(c, 1)), 1.5 * c))
+    fulls = (trials + 1) // full_eval_every + 1 + (1 if trials < full_eval_every else 0)
+    return dev_size + 5 * c + trials * minibatch + fulls * dev_size
+
+
+def dev_cap(cfg, n_seeds=0):
+    """Most dev items the budget allows: min(gepa_dev_max, (budget - 2b) // (2 + n_seeds)), so
+    that the dev evaluations of the empty seed and of n_seeds given templates ((1 + n_seeds)
+    |dev|) plus one full proposal (2b + |dev|) fit in it. E.g. budget 200, b 3 -> 97. With a
+    preset (gepa_auto) the budget follows the dev set instead: gepa_dev_max."""
+    if cfg.gepa_auto:
+        return cfg.gepa_dev_max
     b = cfg.gepa_minibatch
-    cap = min(cfg.gepa_dev_max, (cfg.gepa_budget - 2 * b) // 2)
+    cap = min(cfg.gepa_dev_max, (cfg.gepa_budget - 2 * b) // (2 + n_seeds))
     if cap < 1:
-        raise ValueError(f"GEPA budget {cfg.gepa_budget} is too small for minibatch b={b}: the seed's dev "
-                         f"evaluation plus one proposal need at least 2b + 2 = {2 * b + 2} metric calls")
+        raise ValueError(f"GEPA budget {cfg.gepa_budget} is too small for minibatch b={b} and {n_seeds} seed "
+                         f"templates: their dev evaluations plus one proposal need at least "
+                         f"2b + 2 + {n_seeds} = {2 * b + 2 + n_seeds} metric calls")
     return cap
+
+
+def read_seed_templates(path, max_chars):
+    """Human-written templates (Human-Ref), one per line; blank lines and lines starting with '#'
+    are skipped. A template longer than max_chars is an error naming its line."""
+    templates = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            if len(text) > max_chars:
+                raise ValueError(f"{path}:{n}: template of {len(text)} characters; the limit is "
+                                 f"--max_template_chars={max_chars}")
+            if text not in templates:
+                templates.append(text)
+    if not templates:
+        raise ValueError(f"{path}: no template in it (one per line; '#' starts a comment)")
+    return templates
 
 
 def split_dev_train(items, dev_max, rng):
@@ -152,12 +200,14 @@ def greedy_set_cover(scores):
         covered |= {j for j, s in enumerate(scores[-neg_c]) if s > 0}
 
 
-def assign_templates(pool, scores, chosen, dev_ids, train_ids, k, rng, same_for_group=False):
+def assign_templates(pool, scores, chosen, dev_ids, train_ids, k, rng, same_for_group=False, bare=False):
     """K templates per hard prompt, drawn with replacement ∝ mean dev score. A dev item that
-    some chosen template solves draws from those; any other item from the whole chosen set."""
+    some chosen template solves draws from those; any other item from the whole chosen set.
+    bare: the first of the K is '' (no template) and K - 1 are drawn."""
     if not chosen:
         return {}
     mean = {c: sum(scores[c]) / len(scores[c]) for c in chosen}
+    n = k - 1 if bare else k
     out = {}
     for item_id in list(dev_ids) + list(train_ids):
         cands = chosen
@@ -165,8 +215,8 @@ def assign_templates(pool, scores, chosen, dev_ids, train_ids, k, rng, same_for_
             j = dev_ids.index(item_id)
             solving = [c for c in chosen if scores[c][j] > 0]
             cands = solving or chosen
-        draws = rng.choices(cands, weights=[mean[c] for c in cands], k=1 if same_for_group else k)
-        out[item_id] = [pool[c] for c in (draws * k if same_for_group else draws)]
+        draws = rng.choices(cands, weights=[mean[c] for c in cands], k=1 if same_for_group else n)
+        out[item_id] = [""] * (k - n) + [pool[c] for c in (draws * n if same_for_group else draws)]
     return out
 
 
@@ -334,29 +384,37 @@ def guard(text, finished, parent, pool, minibatch, cfg):
 
 
 def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, progress=None,
-             reward_fn=None):
+             reward_fn=None, seeds=()):
     """Evolve templates for the hard items; return the pool, scores, lineage and assignment.
-    reward_fn(response, item) -> 0/1 scores an answer (default: verify.check against item.answer)."""
+    reward_fn(response, item) -> 0/1 scores an answer (default: verify.check against item.answer).
+    seeds: given templates (Human-Ref) that start the pool beside the empty one; each is scored
+    on the dev items like any candidate, and the metric calls count."""
     reward_fn = reward_fn or (lambda response, item: check(response, item.answer).reward)
     b = cfg.gepa_minibatch
-    dev, train = split_dev_train(hard, dev_cap(cfg), rng)
+    seeds = [t for t in seeds if t]
+    dev, train = split_dev_train(hard, dev_cap(cfg, len(seeds)), rng)
     train = train or dev  # a tiny hard set: reflect on dev items too (then they are not held out)
-    res = GepaResult(pool=[""], parents=[-1], scores=[], dev_ids=[d.id for d in dev],
+    budget = auto_budget(cfg.gepa_auto, len(dev)) if cfg.gepa_auto else cfg.gepa_budget
+    if (1 + len(seeds)) * len(dev) > budget:
+        raise ValueError(f"GEPA budget {budget} cannot score the empty template and {len(seeds)} seed templates "
+                         f"on {len(dev)} dev items")
+    res = GepaResult(pool=["", *seeds], parents=[-1] * (1 + len(seeds)), scores=[], dev_ids=[d.id for d in dev],
                      train_ids=[t.id for t in train if t.id not in {d.id for d in dev}],
-                     assignment={}, chosen=[], budget=cfg.gepa_budget)
+                     assignment={}, chosen=[], budget=budget)
 
     def score(template, items, kind):
         responses = answer_fn([(template, it) for it in items], kind)
         res.metric_calls += len(items)
         return [reward_fn(r, it) for r, it in zip(responses, items)], responses
 
-    res.scores.append([int(s) for s in score("", dev, "gepa_dev")[0]])
+    for template in res.pool:
+        res.scores.append([int(s) for s in score(template, dev, "gepa_dev")[0]])
     order, cursor = list(range(len(train))), len(train)
     reservation = 2 * b + len(dev)  # the most one proposal can spend: parent, child, child on dev
     for iteration in range(cfg.gepa_max_iterations):
         # Parents one by one while the next reservation fits the unreserved budget; a parent
         # never spends more than its reservation, so metric_calls <= gepa_budget holds throughout.
-        n_parents = min(cfg.gepa_parents, (cfg.gepa_budget - res.metric_calls) // reservation)
+        n_parents = min(cfg.gepa_parents, (budget - res.metric_calls) // reservation)
         if n_parents < 1:
             break
         parents = select_parents(res.scores, n_parents, rng)
@@ -405,5 +463,5 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
             progress(res)
     res.chosen = greedy_set_cover(res.scores)
     res.assignment = assign_templates(res.pool, res.scores, res.chosen, res.dev_ids,
-                                      res.train_ids, k, rng, same_for_group)
+                                      res.train_ids, k, rng, same_for_group, bare=cfg.bare_rollout)
     return res

@@ -128,6 +128,10 @@ class Config:
     reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
     reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
+    bare_rollout: bool = False  # one of a templated prompt's K rollouts without a template (official left_1_no_template_rollout)
+    drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
+    gepa_auto: str = ""  # official budget preset light|medium|heavy|heavy_2|heavy_3|heavy_4|heavy_16, sized by the round's dev set ('' = gepa_budget)
+    seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
     context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
     crm: bool = True  # Context Ratio Mask on templated rows (False: ablation)
     crm_low: float = 0.01  # tokens with c_t < crm_low are masked
@@ -213,6 +217,13 @@ def check_config(cfg):
         raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
     if cfg.ppo_epochs < 1 or cfg.mini_batches < 1:
         raise SystemExit("--ppo_epochs and --mini_batches must be >= 1")
+    if cfg.seed_templates:
+        try:
+            gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--seed_templates: {e}") from None
+    if cfg.gepa_auto and cfg.gepa_auto not in gepa.AUTO_CANDIDATES:
+        raise SystemExit(f"--gepa_auto is '' or one of {', '.join(gepa.AUTO_CANDIDATES)}, got {cfg.gepa_auto!r}")
     if cfg.crm_denominator not in ("all", "kept") or (cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean"):
         raise SystemExit("--crm_denominator is all | kept, and kept needs --loss_agg=token-mean")
 
@@ -472,7 +483,9 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
         distilled = any(g.templates) and cfg.context_distill
         plain_ids = encode_prompt(tokenizer, problem_messages(g.problem, fmt=cfg.prompt_format), chat_kwargs) \
             if distilled else None
-        for s, t, a in zip(g.samples, g.templates, group_adv):
+        for s, t, a, r in zip(g.samples, g.templates, group_adv, g.rewards):
+            if t and cfg.drop_failed_templated and r <= 0:
+                continue  # it still counted in the group's advantages above
             if t and distilled:
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
                 rows.append(Row(prompt_ids, response_ids, a, s.prompt_ids if cfg.crm else None, group=gi))
@@ -679,6 +692,8 @@ def step_metrics(state, groups, update, info, lr, cfg):
         "entropy": s["entropy_sum"] / max(1, s["entropy_tokens"]),
         "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
         "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
+        "dropped_failed_templated": sum(bool(t) and r <= 0 for g in groups for t, r in zip(g.templates, g.rewards))
+        if cfg.drop_failed_templated else 0,
         "reward_templated_groups": mean(t_rewards), "reward_plain_groups": mean(p_rewards),
         "crm_masked_fraction": s["crm_out_of_band_tokens"] / max(1, s["crm_templated_tokens"]),
         "crm_mean_log_ratio": s["crm_log_ratio_sum"] / max(1, s["crm_templated_tokens"]),
@@ -734,8 +749,9 @@ def gepa_round(cfg, epoch, hard_problems, engine, weights, model_path, counts, r
         return [(gepa.DELIM_OPEN + g[0].text, g[0].finish_reason == "stop") for g in out]
 
     rng = random.Random(f"gepa/{cfg.seed}/{epoch}")  # independent of the prompt order's seed
+    seeds = gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars) if cfg.seed_templates else ()
     return gepa.run_gepa(hard_problems, answer_fn, reflect_fn, cfg, rng, k=cfg.group_size,
-                         same_for_group=cfg.same_template_per_group, reward_fn=reward_fn)
+                         same_for_group=cfg.same_template_per_group, reward_fn=reward_fn, seeds=seeds)
 
 
 def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights=None, run_gepa=True):
@@ -853,20 +869,39 @@ def restore(saved, own, optimizer, scheduler, warmup, cfg):
     return LoopState(**saved["loop"])
 
 
-def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
-    """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
-    engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
-    verify.reward; GEPA scores with the same function) and `reflect_fn(prompts) -> [(text,
-    finished)]` (a scripted reflector).
+@dataclass
+class Run:
+    """What start_run() sets up once and every phase of the loop reads: settings, process
+    layout, data, models, optimizer, the loop state and (rank 0) the log."""
+    cfg: Config
+    rank: int
+    world: int
+    main: bool  # rank 0: logs and writes files
+    run_dir: str
+    train_set: list
+    dev_set: list
+    by_id: dict  # problem id -> train problem
+    stream: PromptStream
+    total_steps: int
+    model_path: str  # the starting weights (Self-Ref reflector, KL reference)
+    chat_kwargs: dict
+    policy: object
+    reference: object  # frozen initial policy (kl_beta > 0) or None
+    tokenizer: object
+    engine: object
+    pad_id: int
+    optimizer: object
+    scheduler: object
+    state: LoopState
+    log: object  # RunLog on rank 0, None elsewhere
+    started: float = 0.0  # time.perf_counter() at the start of start_run
+    seconds: Counter = field(default_factory=Counter)  # wall time of this process by phase (the summary's line)
 
-    Under `torchrun --nproc_per_node=N train.py` the same loop runs on N processes: the
-    policy is sharded (FSDP2), each rank generates its share of a step's prompts with its own
-    engine, every rank then holds all groups (so hard-prompt mining, DAPO refills and the
-    accounting are the same everywhere), trains on its share of the groups with global loss
-    denominators, and pushes the gathered weights into its engine. Rank 0 alone runs GEPA,
-    logs and writes files; the loop state it leaves is broadcast to the others."""
-    check_config(cfg)
-    reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
+
+def start_run(cfg, engine):
+    """Join the process group, resolve a resume, make the run folder, load data and models,
+    build the optimizer and put back a checkpoint's state -> Run."""
+    started = time.perf_counter()
     rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)  # GEPA: the others wait
     main = dist.is_main()
     resume_path = resolve_resume(cfg) if cfg.resume else None
@@ -886,28 +921,22 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    # ---- data, models, optimizer
     train_set = load_jsonl(cfg.train_data)[0]
     dev_set = load_jsonl(cfg.dev_data)[0] if cfg.dev_data else []
     if cfg.dev_holdout:
         train_set, dev_set = hold_out(train_set, cfg.dev_holdout, cfg.seed)
-    by_id = {p.id: p for p in train_set}
-    stream = PromptStream(train_set, cfg.seed)
-    total_steps = cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step)
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     chat_kwargs = chat_template_kwargs(cfg)
     policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
                                                        train_set + dev_set, chat_kwargs)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731 - then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
-    # ---- loop state: all of it is in every checkpoint, so a resumed run continues exactly
-    state = LoopState()
+    state = LoopState()  # all of it is in every checkpoint, so a resumed run continues exactly
     if saved:
         own = load_rank_state(resume_path, rank) if world > 1 else saved
         state = restore(saved, own, optimizer, scheduler, warmup, cfg)
@@ -919,112 +948,170 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             point(run_dir, "best", state.best_step)
     log = RunLog(run_dir, state.step, cfg) if main else None
     dist.barrier()
+    return Run(cfg, rank, world, main, run_dir, train_set, dev_set, {p.id: p for p in train_set},
+               PromptStream(train_set, cfg.seed), cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step),
+               model_path, chat_kwargs, policy, reference, tokenizer, engine,
+               tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+               optimizer, scheduler, state, log, started, Counter({"start-up": time.perf_counter() - started}))
 
-    def checkpoint():  # everything a resume needs (restore() reads it back), one name per step
-        own = {"optimizer": dist.optimizer_state(optimizer), "rng": rng_state()}
-        trainer = {"config": dataclasses.asdict(cfg), "loop": fields_of(state), "scheduler": scheduler.state_dict(),
-                   "world": world, **(own if world == 1 else {})}
-        return save_checkpoint(run_dir, state.step, policy, tokenizer, trainer, own)
 
-    def dev_eval():  # each rank answers its share of the dev set; every rank gets the same result
-        if not dev_set:
-            return {}
-        mine = answer_records(engine, dist.split(dev_set, rank, world), k=cfg.eval_k, temperature=cfg.temperature,
-                              top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
-                              seed=cfg.seed * 100_003 + state.step + rank, prompt_format=cfg.prompt_format)
-        overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
-        if main:
-            log.dev(state.step, overall)
-            tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
-                       (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
-        if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
-            state.best_dev, state.best_step = overall["greedy"], state.step
-            checkpoint()
-            if main:
-                point(run_dir, "best", state.step)
-        return overall
+def checkpoint(run):
+    """Everything a resume needs (restore() reads it back), one folder per step -> its path."""
+    t = time.perf_counter()
+    own = {"optimizer": dist.optimizer_state(run.optimizer), "rng": rng_state()}
+    trainer = {"config": dataclasses.asdict(run.cfg), "loop": fields_of(run.state),
+               "scheduler": run.scheduler.state_dict(), "world": run.world, **(own if run.world == 1 else {})}
+    path = save_checkpoint(run.run_dir, run.state.step, run.policy, run.tokenizer, trainer, own)
+    run.seconds["checkpoints"] += time.perf_counter() - t
+    return path
 
+
+def dev_eval(run):
+    """Greedy and avg@k on the dev set; each rank answers its share and every rank gets the
+    same result. A new best (after step 0) is checkpointed and named `best`."""
+    cfg, state = run.cfg, run.state
+    if not run.dev_set:
+        return {}
+    t = time.perf_counter()
+    mine = answer_records(run.engine, dist.split(run.dev_set, run.rank, run.world), k=cfg.eval_k,
+                          temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
+                          seed=cfg.seed * 100_003 + state.step + run.rank, prompt_format=cfg.prompt_format)
+    overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
+    run.seconds["dev evaluations"] += time.perf_counter() - t
+    if run.main:
+        run.log.dev(state.step, overall)
+        tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
+                   (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
+    if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
+        state.best_dev, state.best_step = overall["greedy"], state.step
+        checkpoint(run)
+        if run.main:
+            point(run.run_dir, "best", state.step)
+    return overall
+
+
+def epoch_boundary(run, gepa_args):
+    """The last step ended an epoch: GEPA on its hard prompts (P²O; rank 0, the others wait),
+    its result on every rank. A GEPA round is minutes of compute: checkpointed on both sides."""
+    state = run.state
+    gepa_due = run.cfg.algo == "p2o" and len(state.hard_now) >= run.cfg.gepa_min_hard
+    if gepa_due:
+        checkpoint(run)
+    t = time.perf_counter()
+    weights = dist.full_state_dict(run.policy) if gepa_due else None  # collective: before rank 0 goes alone
+    if run.main:
+        end_of_epoch(state, run.stream, run.by_id, run.cfg, run.log, gepa_args, weights)
+    share_loop_state(state)
+    run.seconds["GEPA"] += time.perf_counter() - t
+    if gepa_due:
+        checkpoint(run)
+
+
+def train_step(run, reward_fn):
+    """One step: collect groups -> training rows -> policy update -> verified push -> metrics."""
+    cfg, state, engine = run.cfg, run.state, run.engine
+    t0 = time.perf_counter()
+    groups, info = collect_groups(engine, run.stream, state, cfg, reward_fn)
+    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs)
+    t = time.perf_counter()
+    if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
+        engine.sleep()
+    update = policy_update(run.policy, run.reference, run.optimizer, rows, cfg, run.pad_id, n_groups=len(groups))
+    info["train"] = time.perf_counter() - t
+    lr = run.optimizer.param_groups[0]["lr"]  # the lr this update used
+    state.step += 1
+    t = time.perf_counter()
+    if update.finite:
+        state.bad_steps = 0
+        run.scheduler.step()
+        if update.trained_rows:
+            engine.push_weights(dist.full_state_dict(run.policy))  # verified inside: raises on a mismatch
+    else:  # a NaN/inf loss or gradient: the update left no trace; count it
+        state.bad_steps += 1
+        state.skipped_steps += 1
+        if run.main:
+            tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
+    info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
+    m = step_metrics(state, groups, update, info, lr, cfg)
+    for phase in ("generate", "score", "train", "push"):
+        run.seconds[phase] += info[phase]
+    if run.main:
+        run.log.step(m, groups)
+    return m, info
+
+
+def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
+    """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
+    engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
+    verify.reward; GEPA scores with the same function) and `reflect_fn(prompts) -> [(text,
+    finished)]` (a scripted reflector).
+
+    Under `torchrun --nproc_per_node=N train.py` the same loop runs on N processes: the
+    policy is sharded (FSDP2), each rank generates its share of a step's prompts with its own
+    engine, every rank then holds all groups (so hard-prompt mining, DAPO refills and the
+    accounting are the same everywhere), trains on its share of the groups with global loss
+    denominators, and pushes the gathered weights into its engine. Rank 0 alone runs GEPA,
+    logs and writes files; the loop state it leaves is broadcast to the others."""
+    check_config(cfg)
+    reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
+    run = start_run(cfg, engine)
+    state, main = run.state, run.main
     stop = StopSignal()
     if main:
         print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
               "gradient is the policy gradient (see grpo.py)")
     if state.step == 0:
-        dev_eval()
-    bar = tqdm(total=total_steps, initial=state.step, desc=cfg.algo, dynamic_ncols=True, disable=not main)
-    gepa_args = (engine, model_path, reward_fn, reflect_fn)
+        dev_eval(run)
+    bar = tqdm(total=run.total_steps, initial=state.step, desc=cfg.algo, dynamic_ncols=True, disable=not main)
+    gepa_args = (run.engine, run.model_path, reward_fn, reflect_fn)
     records = []
     try:
-        while state.step < total_steps and not dist.all_max(int(stop.signal is not None)):
-            if stream.epoch_of(state.consumed) > state.epoch:  # the last step ended an epoch
-                gepa_due = cfg.algo == "p2o" and len(state.hard_now) >= cfg.gepa_min_hard
-                if gepa_due:  # a GEPA round is minutes of compute: checkpoint on both sides of it
-                    checkpoint()
-                weights = dist.full_state_dict(policy) if gepa_due else None  # collective: before rank 0 goes alone
-                if main:
-                    end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights)
-                share_loop_state(state)
-                if gepa_due:
-                    checkpoint()
-            t0 = time.perf_counter()
-            groups, info = collect_groups(engine, stream, state, cfg, reward_fn)
-            rows = training_rows(groups, cfg, tokenizer, chat_kwargs)
-            t = time.perf_counter()
-            if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
-                engine.sleep()
-            update = policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=len(groups))
-            info["train"] = time.perf_counter() - t
-            lr = optimizer.param_groups[0]["lr"]  # the lr this update used
-            state.step += 1
-            t = time.perf_counter()
-            if update.finite:
-                state.bad_steps = 0
-                scheduler.step()
-                if update.trained_rows:
-                    engine.push_weights(dist.full_state_dict(policy))  # verified inside: raises on a mismatch
-            else:  # a NaN/inf loss or gradient: the update left no trace; count it
-                state.bad_steps += 1
-                state.skipped_steps += 1
-                if main:
-                    tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); "
-                               "skipped")
-            info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
-            m = step_metrics(state, groups, update, info, lr, cfg)
-            if main:
-                log.step(m, groups)
+        while state.step < run.total_steps and not dist.all_max(int(stop.signal is not None)):
+            if run.stream.epoch_of(state.consumed) > state.epoch:
+                epoch_boundary(run, gepa_args)
+            m, info = train_step(run, reward_fn)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", zero_var=f"{m['zero_variance_groups']:.2f}",
                             gen=f"{info['generate']:.1f}s", train=f"{info['train']:.1f}s")
             if state.bad_steps >= cfg.max_bad_steps:
-                raise RuntimeError(f"{state.bad_steps} consecutive non-finite steps; stopped after saving {checkpoint()}")
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < total_steps:
-                dev_eval()
+                raise RuntimeError(f"{state.bad_steps} consecutive non-finite steps; stopped after saving "
+                                   f"{checkpoint(run)}")
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < run.total_steps:
+                dev_eval(run)
             if cfg.save_every and state.step % cfg.save_every == 0:
-                checkpoint()
-        if state.step >= total_steps and stream.epoch_of(state.consumed) > state.epoch:
+                checkpoint(run)
+        if state.step >= run.total_steps and run.stream.epoch_of(state.consumed) > state.epoch:
             if main:
-                end_of_epoch(state, stream, by_id, cfg, log, gepa_args, run_gepa=False)  # log the last hard set
+                end_of_epoch(state, run.stream, run.by_id, cfg, run.log, gepa_args, run_gepa=False)  # the last hard set
             share_loop_state(state)
-        final_path = checkpoint()
+        final_path = checkpoint(run)
         if dist.all_max(int(stop.signal is not None)):  # every rank takes the same branch
             if main:
                 print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
             return {"step": state.step, "checkpoint": final_path, "interrupted": True}
-        records = log.dev_records() if main else []
-        if dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
-            dev_eval()
-            records = log.dev_records() if main else []
+        records = run.log.dev_records() if main else []
+        if run.dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
+            dev_eval(run)
+            records = run.log.dev_records() if main else []
     finally:
         bar.close()
-        if log:
-            log.close()
+        if run.log:
+            run.log.close()
         stop.restore()
-        if dist.active() and hasattr(engine, "close"):  # vLLM's subgroups go before the group itself
-            engine.close()
+        if dist.active() and hasattr(run.engine, "close"):  # vLLM's subgroups go before the group itself
+            run.engine.close()
         dist.teardown()
     if main:
-        print_summary(run_dir, state, records, len(dev_set))
-    return {"step": state.step, "checkpoint": final_path, "policy": policy, "counts": state.counts,
+        print_summary(run.run_dir, state, records, len(run.dev_set))
+        print(time_summary(run.seconds, time.perf_counter() - run.started))
+    return {"step": state.step, "checkpoint": final_path, "policy": run.policy, "counts": state.counts,
             "gepa_history": state.gepa_history, "dev": records, "state": state}
+
+
+def time_summary(seconds, total):
+    """'wall time 890 s: generate 293 (33%), train 221 (25%), ...' -- where this run's time went."""
+    parts = sorted(seconds.items(), key=lambda kv: -kv[1]) + [("other", total - sum(seconds.values()))]
+    return f"wall time {total:.0f} s: " + ", ".join(f"{k} {v:.0f} ({v / max(total, 1e-9):.0%})" for k, v in parts)
 
 
 def print_summary(run_dir, state, dev_records, dev_size):

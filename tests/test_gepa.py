@@ -7,9 +7,9 @@ from fractions import Fraction
 import pytest
 
 import train
-from gepa import (HardItem, accept_child, assign_templates, copies_problem, dev_cap, greedy_set_cover, guard,
-                  number_value, numbers_in, pareto_fronts, prune_dominated, reflection_record, run_gepa,
-                  select_parents, split_dev_train)
+from gepa import (AUTO_CANDIDATES, HardItem, accept_child, assign_templates, auto_budget, copies_problem, dev_cap,
+                  greedy_set_cover, guard, number_value, numbers_in, pareto_fronts, prune_dominated,
+                  read_seed_templates, reflection_record, run_gepa, select_parents, split_dev_train)
 
 CFG = train.Config()
 
@@ -309,6 +309,69 @@ def test_a_budget_too_small_for_one_proposal_raises():
     with pytest.raises(ValueError, match="budget 7"):
         run_gepa(make_hard(12), scripted_answer, scripted_reflect, train.Config(gepa_budget=7, gepa_minibatch=3),
                  random.Random(0))
+
+
+def test_auto_budget_matches_the_reference_presets_by_hand():
+    # heavy_4 on 300 dev items, the figure the README quotes: C 72 -> N = max(4 log2 72, 108) = 108
+    assert auto_budget("heavy_4", 300) == 300 + 72 * 5 + 108 * 35 + ((108 + 1) // 5 + 1) * 300 == 11040
+    # light: C 6 -> N = int(max(4 log2 6 = 10.34, 9)) = 10 -> V + 30 + 350 + (11 // 5 + 1) V = 4 V + 380
+    assert auto_budget("light", 50) == 4 * 50 + 380
+    # medium: C 12 -> N = int(max(14.34, 18)) = 18 -> V + 60 + 630 + (19 // 5 + 1) V
+    assert auto_budget("medium", 10) == 10 + 60 + 630 + 4 * 10
+    assert set(AUTO_CANDIDATES) == {"light", "medium", "heavy", "heavy_2", "heavy_3", "heavy_4", "heavy_16"}
+
+
+def test_a_preset_sizes_the_budget_from_the_dev_set():
+    cfg = train.Config(gepa_auto="light", gepa_dev_max=4, gepa_budget=1, gepa_parents=2, gepa_minibatch=3,
+                       gepa_max_iterations=1000)
+    res = run_gepa(make_hard(12), scripted_answer, varied_reflect(), cfg, random.Random(0))
+    assert len(res.dev_ids) == 4 and res.budget == 4 * 4 + 380  # gepa_budget=1 is ignored
+    assert res.metric_calls <= res.budget < res.metric_calls + 2 * 3 + 4  # spent up to the last reservation
+
+
+def test_human_seed_templates_join_the_pool_and_are_scored_and_assigned(tmp_path):
+    path = tmp_path / "seeds.txt"
+    path.write_text("# human-written\nMultiply first, then add.\n\nRead the problem twice.\nMultiply first, then add.\n")
+    seeds = read_seed_templates(str(path), 300)
+    assert seeds == ["Multiply first, then add.", "Read the problem twice."]  # comments, blanks, repeats dropped
+    cfg = train.Config(gepa_budget=40, gepa_parents=2, gepa_minibatch=3)
+    calls = []
+    res = run_gepa(make_hard(12), scripted_answer, lambda p: calls.append(p) or scripted_reflect(p), cfg,
+                   random.Random(0), k=4, seeds=seeds)
+    n_dev = len(res.dev_ids)
+    assert n_dev == min(6, (40 - 6) // (2 + 2)) == 6
+    assert res.pool[:3] == ["", *seeds] and res.parents[:3] == [-1, -1, -1]
+    assert sum(res.scores[1]) == n_dev and sum(res.scores[2]) < n_dev  # the helpful seed solves every dev item
+    assert res.chosen == [1]  # set cover picks the seed: nothing else adds an item
+    assert all(set(v) == {"Multiply first, then add."} for v in res.assignment.values())
+    # the seeds' dev evaluations are metric calls like any candidate's: 3 x |dev| before any proposal
+    outcomes = Counter(e.get("reason", e["outcome"]) for e in res.log)
+    assert res.metric_calls == 3 * n_dev + 3 * len(res.log) + 3 * (outcomes["not_better"] + outcomes["accepted"]) \
+        + n_dev * outcomes["accepted"]
+    assert res.metric_calls <= 40
+
+
+def test_bad_seed_template_files_are_clear_errors(tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("ok\n" + "x" * 301 + "\n")
+    with pytest.raises(ValueError, match="long.txt:2: template of 301 characters"):
+        read_seed_templates(str(long), 300)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="no template"):
+        read_seed_templates(str(empty), 300)
+    with pytest.raises(ValueError, match="3 seed templates"):  # budget 20, b 3: (20 - 6) // 5 = 2 dev items ok...
+        dev_cap(train.Config(gepa_budget=10, gepa_minibatch=3), n_seeds=3)  # ... 10: (10 - 6) // 5 = 0
+
+
+def test_bare_rollout_leaves_the_first_of_k_without_a_template():
+    pool, scores = ["", "A", "B"], [[0, 0], [1, 0], [0, 1]]
+    out = assign_templates(pool, scores, [1, 2], ["d0", "d1"], ["t0"], 6, random.Random(0), bare=True)
+    assert out["d0"] == [""] + ["A"] * 5 and out["d1"] == [""] + ["B"] * 5  # K - 1 drawn from the solvers
+    assert out["t0"][0] == "" and len(out["t0"]) == 6 and "" not in out["t0"][1:]
+    same = assign_templates(pool, scores, [1, 2], ["d0", "d1"], ["t0"], 4, random.Random(0), same_for_group=True,
+                            bare=True)
+    assert same["d1"] == ["", "B", "B", "B"] and len(set(same["t0"][1:])) == 1
 
 
 def test_one_gepa_round_with_the_real_default_model(vllm_engine, hf_model, model_path):

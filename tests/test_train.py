@@ -238,6 +238,7 @@ def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_p
     dict(adv_norm="none", loss_agg="seq-mean-token-sum-norm", gradient_checkpointing=True),
     dict(loss_agg="seq-mean-token-mean", algo="grpo"),
     dict(mini_batches=2, tis_cap=2.0, prompt_format="official"),
+    dict(bare_rollout=True, drop_failed_templated=True, gepa_auto="light", gepa_dev_max=2),
 ])
 def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
     data = small_data(tmp_path)
@@ -250,6 +251,31 @@ def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
     if flags.get("same_template_per_group"):
         for line in (tmp_path / "t" / "rollouts.jsonl").read_text().splitlines():
             assert len(set(json.loads(line)["templates"])) == 1
+    if flags.get("bare_rollout"):
+        groups = [json.loads(line) for line in (tmp_path / "t" / "rollouts.jsonl").read_text().splitlines()]
+        templated = [g["templates"] for g in groups if any(g["templates"])]
+        assert templated and all(t[0] == "" and all(t[1:]) for t in templated)
+        assert json.loads((tmp_path / "t" / "gepa-epoch-0.json").read_text())["budget"] == 4 * 2 + 380  # light, |dev| 2
+        assert sum(x["dropped_failed_templated"] for x in m) > 0
+
+
+def test_drop_failed_templated_keeps_them_in_the_advantages_only(tiny_model):
+    from transformers import AutoTokenizer
+
+    from data import Problem
+    from rollout import Sample
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    problem = Problem("q0", "What is 2 + 3?", "5")
+    samples = [Sample([1, 2, 3], [10 + i, 2], f"answer {i}", "stop", [-0.5, -0.1]) for i in range(4)]
+    group = train.Group(problem, samples, ["", "Add.", "Add.", "Add."], [0.0, 1.0, 0.0, 1.0])
+    cfg = train.Config(group_size=4, drop_failed_templated=True)
+    rows = train.training_rows([group], cfg, tok)
+    # the group's advantages use all four rewards: mean 0.5, std (unbiased) 0.5774 -> +-0.866
+    assert [r.response_ids[0] for r in rows] == [10, 11, 13]  # the failed templated rollout (12) is dropped
+    assert [round(r.advantage, 3) for r in rows] == [-0.866, 0.866, 0.866]  # the bare failure stays
+    assert rows[0].tilde_prompt_ids is None and rows[1].tilde_prompt_ids == [1, 2, 3]  # x~ kept for the CRM
+    assert len(train.training_rows([group], train.Config(group_size=4), tok)) == 4  # off: every rollout
 
 
 # ----------------------------------------------------------------------------- pieces of one step
@@ -655,3 +681,10 @@ def test_console_keeps_the_projects_lines_and_engine_logs_go_to_a_file(tmp_path)
     trained = [json.loads(line)["trained_rows"] for line in open(tmp_path / "quiet" / "metrics.jsonl")]
     log = (tmp_path / "quiet" / "engine.log").read_text()
     assert "vllm" in log and (sum(trained) == 0 or "Reloading and processing weights" in log)  # a push, if any
+
+
+def test_time_summary_accounts_for_the_whole_wall_time():
+    from collections import Counter
+
+    line = train.time_summary(Counter({"train": 30.0, "generate": 50.0, "GEPA": 10.0}), 100.0)
+    assert line == "wall time 100 s: generate 50 (50%), train 30 (30%), GEPA 10 (10%), other 10 (10%)"
