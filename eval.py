@@ -26,6 +26,7 @@ import torch
 
 import dist
 from data import DataError, load_jsonl
+from gepa import read_seed_templates
 from model import resolve_model
 from prompts import FORMATS, problem_messages
 from rollout import make_rollout
@@ -93,10 +94,11 @@ def summarize(greedy, sampled, k):
 
 
 def answer_records(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True,
-                   seed=None, prompt_format="default"):
+                   seed=None, prompt_format="default", template=""):
     """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given):
-    one record per problem, its greedy response first, the samples under "sampled"."""
-    messages = [problem_messages(p, fmt=prompt_format) for p in problems]
+    one record per problem, its greedy response first, the samples under "sampled". `template`:
+    a P²O template applied to every problem (prompts.apply_template; '' = none)."""
+    messages = [problem_messages(p, template, fmt=prompt_format) for p in problems]
     greedy = score_groups(problems, messages, engine.generate(
         messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     sampled = score_groups(problems, messages, engine.generate(
@@ -144,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt_format", default="default", choices=FORMATS, help="as train.py's --prompt_format")
+    ap.add_argument("--template", default="", help="a template applied to every problem: TEXT, or @PATH (the "
+                    "file's first template, one per line as train.py's --seed_templates)")
     ap.add_argument("--skip_bad", action="store_true", help="skip malformed data rows (counted)")
     ap.add_argument("--out", default=None, help="results JSON (default out/eval-<time>.json)")
     args = ap.parse_args(argv)
@@ -155,7 +159,10 @@ def main(argv=None):
             if skipped:
                 print(f"{name}: skipped {skipped} bad rows", file=sys.stderr)
             benchmarks[name] = problems
-    except DataError as e:
+        template = args.template
+        if template.startswith("@"):
+            template = read_seed_templates(template[1:], max_chars=10_000)[0]
+    except (DataError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -172,7 +179,8 @@ def main(argv=None):
             print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else "")
                   + (f", over {world} processes" if world > 1 else ""))
         mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
-                              args.max_tokens, seed=args.seed + rank, prompt_format=args.prompt_format)
+                              args.max_tokens, seed=args.seed + rank, prompt_format=args.prompt_format,
+                              template=template)
         records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}

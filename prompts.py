@@ -7,7 +7,7 @@
 The answer-format instruction belongs to the original user text, never to the template, so an
 evolved template cannot break answer extraction (docs/METHOD.md §2). With `fewshot=True` three worked
 one-step examples come first as earlier chat turns: the 135M default model almost never writes
-\\boxed{} otherwise (measured: README, "Default model and data"). They are used for the built-in task only (`problem_messages`).
+\\boxed{} otherwise (measured: README, "Default model and data"). They are used for the shipped tasks only (built-in and fictional units; `problem_messages`).
 
 Two prompt formats (`fmt`, train.py's --prompt_format):
     default   "<problem>\nPut the final answer in \\boxed{}."      (+ the few-shot turns for built-in rows)
@@ -54,5 +54,5 @@ def build_messages(problem, template="", fewshot=False, fmt="default"):
 def problem_messages(p, template="", fmt="default"):
     """Messages for a data row (data.Problem): the few-shot turns are part of the built-in
     task's default prompt format only, so rows from other sources (or the official format) get none."""
-    fewshot = fmt == "default" and bool(p.source) and p.source.startswith("builtin")
+    fewshot = fmt == "default" and bool(p.source) and p.source.startswith(("builtin", "fictional"))
     return build_messages(p.problem, template, fewshot, fmt)

@@ -154,6 +154,7 @@ class Config:
     # ---- schedule and outputs
     epochs: int = 2  # passes over train_data (P²O needs 2: GEPA after epoch 0, templates in epoch 1)
     max_steps: int = 0  # > 0: stop after this many steps instead
+    max_gen_tokens: int = 0  # > 0: also stop once this many tokens were generated (rollouts + GEPA answers + reflections)
     eval_every: int = 5  # dev evaluation every N steps (and before and after training)
     eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
     save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
@@ -700,6 +701,7 @@ def step_metrics(state, groups, update, info, lr, cfg):
         "sampler_mismatch_mean": s["mismatch_abs_sum"] / max(1, s["mismatch_tokens"]),  # |log pi_old - log pi_sampler|
         "sampler_mismatch_max": s["mismatch_abs_max"],
         "hard_so_far": len(state.hard_now),
+        "generated_tokens": generated_tokens(state.counts),  # cumulative: the x axis of a compute-matched comparison
         **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},
         "gen_tokens_per_s": sum(lengths) / max(info["generate"], 1e-9), "skipped_steps": state.skipped_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -1066,7 +1068,8 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     gepa_args = (run.engine, run.model_path, reward_fn, reflect_fn)
     records = []
     try:
-        while state.step < run.total_steps and not dist.all_max(int(stop.signal is not None)):
+        while state.step < run.total_steps and not budget_spent(state, cfg) \
+                and not dist.all_max(int(stop.signal is not None)):
             if run.stream.epoch_of(state.consumed) > state.epoch:
                 epoch_boundary(run, gepa_args)
             m, info = train_step(run, reward_fn)
@@ -1108,6 +1111,21 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             "gepa_history": state.gepa_history, "dev": records, "state": state}
 
 
+GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflection_tokens")  # policy compute
+
+
+def generated_tokens(counts):
+    """Tokens the policy (or its frozen copy) generated for training: rollouts, GEPA's answers
+    and reflections. Dev evaluations are not counted (every arm of a comparison runs the same)."""
+    return sum(counts[k] for k in GENERATED)
+
+
+def budget_spent(state, cfg):
+    """--max_gen_tokens: the run stops at the first step boundary at or past the budget (a
+    step or a GEPA round may overshoot it; compare.py reports the actual spend)."""
+    return cfg.max_gen_tokens > 0 and generated_tokens(state.counts) >= cfg.max_gen_tokens
+
+
 def time_summary(seconds, total):
     """'wall time 890 s: generate 293 (33%), train 221 (25%), ...' -- where this run's time went."""
     parts = sorted(seconds.items(), key=lambda kv: -kv[1]) + [("other", total - sum(seconds.values()))]
@@ -1117,9 +1135,9 @@ def time_summary(seconds, total):
 def print_summary(run_dir, state, dev_records, dev_size):
     print(f"curves: {plot_run(run_dir)}")
     c = state.counts
-    gepa_tokens = c["gepa_minibatch_tokens"] + c["gepa_dev_tokens"] + c["reflection_tokens"]
+    gepa_tokens = generated_tokens(c) - c["train_tokens"]
     print(f"compute: {json.dumps(dict(c))}; GEPA share of generated tokens "
-          f"{gepa_tokens / max(1, gepa_tokens + c['train_tokens']):.3f}")
+          f"{gepa_tokens / max(1, generated_tokens(c)):.3f}")
     if state.gepa_history:
         print(f"P²O epochs: {json.dumps(state.gepa_history)}")
     if len(dev_records) > 1:  # from dev.jsonl, so a resumed run reports its whole branch

@@ -11,6 +11,7 @@ Schema (one line of a .jsonl file):
 
 Names accepted wherever a data file is asked for:
     builtin-train, builtin-dev, builtin-test   -> data/builtin/{split}.jsonl (shipped)
+    fictional-train, fictional-dev, ...         -> data/fictional/{split}.jsonl (shipped; made-up units)
     aime24, math500, ...                       -> data/public/{name}.jsonl (made by data/prep.py)
     anything else                              -> a path to a .jsonl file
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = ("id", "problem", "answer")
 OPTIONAL = ("solution", "source")
+SHIPPED = ("builtin", "fictional")  # tasks shipped under data/<task>/ (data/builtin.py, data/fictional.py)
 
 
 class DataError(ValueError):
@@ -39,8 +41,9 @@ class Problem:
 
 def resolve_data(name_or_path):
     """Map a short name (see module docstring) to a file path; paths pass through."""
-    if name_or_path.startswith("builtin-"):
-        return os.path.join(DATA_DIR, "builtin", name_or_path[len("builtin-"):] + ".jsonl")
+    for task in SHIPPED:
+        if name_or_path.startswith(task + "-"):
+            return os.path.join(DATA_DIR, task, name_or_path[len(task) + 1:] + ".jsonl")
     if os.sep not in name_or_path and not name_or_path.endswith(".jsonl"):
         return os.path.join(DATA_DIR, "public", name_or_path + ".jsonl")
     return name_or_path

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from data import DataError, load_jsonl, resolve_data
+from data import fictional
 from data.builtin import LEVELS, make_splits
 from prompts import FEWSHOT
 
@@ -53,6 +54,7 @@ def test_missing_and_empty_files(tmp_path):
 
 def test_names_resolve():
     assert resolve_data("builtin-dev").endswith("data/builtin/dev.jsonl")
+    assert resolve_data("fictional-test").endswith("data/fictional/test.jsonl")
     assert resolve_data("aime24").endswith("data/public/aime24.jsonl")
     assert resolve_data("some/file.jsonl") == "some/file.jsonl"
 
@@ -94,3 +96,23 @@ def test_generator_is_seeded_and_matches_shipped_files():
     assert make_splits(sizes, seed=0)["dev"] == shipped  # the files are reproducible
     with pytest.raises(ValueError, match="problems"):
         make_splits({"train": 10_000})
+
+
+def test_fictional_units_splits_share_facts_never_problems_and_facts_never_hold_an_answer():
+    splits = {name: load_jsonl(f"fictional-{name}")[0] for name in ("train", "dev", "test")}
+    assert {k: len(v) for k, v in splits.items()} == {"train": 40, "dev": 10, "test": 30}
+    assert fictional.make_splits(seed=0) == splits  # the shipped files are reproducible
+    ids = [p.id for rows in splits.values() for p in rows]
+    problems = [p.problem for rows in splits.values() for p in rows]
+    assert len(set(ids)) == len(set(problems)) == 80  # no problem in two splits
+    factor = {small: f for _, small, f in fictional.PAIRS}
+    for rows in splits.values():
+        assert {p.source for p in rows} == {f"fictional/{big}" for big, _, _ in fictional.PAIRS}  # every pair
+        for p in rows:  # an independent solver: the factor from the table, the count from the text
+            m = re.fullmatch(r"How many (\w+)s are in (\d+) (\w+)s\?", p.problem)
+            assert int(p.answer) == int(m.group(2)) * factor[m.group(1)]
+    facts = open(resolve_data("fictional-train").replace("train.jsonl", "facts.txt")).read().splitlines()[1]
+    assert facts == fictional.facts_template() and len(facts) <= 300
+    numbers = {int(x) for x in re.findall(r"\d+", facts)}
+    assert numbers == {1, 5, 6, 7, 8, 9}
+    assert not numbers & {int(p.answer) for rows in splits.values() for p in rows}  # no answer in the template

@@ -11,7 +11,7 @@ import pytest
 
 import eval as evaluation
 from data import Problem
-from eval import evaluate, pass_at_k, pass_ks
+from eval import answer_records, evaluate, pass_at_k, pass_ks
 from rollout import Sample
 
 
@@ -73,6 +73,19 @@ def test_evaluate_by_hand():
     assert records[0]["rewards"] == [1.0] and records[0]["sampled"]["rewards"] == [1, 0, 0, 1]
     assert records[1]["sampled"]["extracted"] == ["5", "5", "6", None]
     assert records[0]["fewshot_turns"] == 3 and "What is 1 + 1?" in records[0]["prompt"]
+
+
+def test_a_template_is_applied_to_every_prompt():
+    class Recorder:
+        def generate(self, messages, n=1, **_):
+            self.seen = [m[-1]["content"] for m in messages]
+            return [[Sample([1], [2], "\\boxed{12}", "stop")] * n for _ in messages]
+
+    engine = Recorder()
+    problem = Problem("z", "How many blarps are in 2 zogs?", "14", source="fictional/zog")
+    (record,) = answer_records(engine, [problem], template="1 zog = 7 blarps.")
+    assert engine.seen[0].startswith("1 zog = 7 blarps.\n\nHow many blarps are in 2 zogs?")
+    assert record["rewards"] == [0.0] and record["fewshot_turns"] == 3
 
 
 def test_bad_data_file_exits_nonzero_with_location(tmp_path, capsys):

@@ -1,0 +1,383 @@
+"""P²O against its baselines at equal compute, over seeds, on held-out data: one resumable command.
+
+    python experiments/compare.py                      # the default comparison: both tasks, every arm, 3 seeds
+    python experiments/compare.py --tasks=fictional --arms=grpo_k,p2o_human --seeds=0,1
+    python experiments/compare.py --quick              # a smoke test of the harness on a tiny random model (CI)
+    python experiments/compare.py --report_only        # rewrite the report from the finished runs
+
+Every arm is a train.py configuration (ARMS; no second training path) on top of the task's
+shared settings (TASKS). Compute matching: every arm runs until it has generated the same
+number of tokens (train.py --max_gen_tokens: training rollouts + GEPA answers + reflections;
+dev evaluations are not counted), so an arm that spends less per epoch trains longer; the
+report gives each run's actual spend. Every run is then scored on the task's test split, which
+no arm trains, mines or runs GEPA on: greedy, avg@k and pass@k, overall and per source, from
+its final and from its best-dev checkpoint.
+
+Resumable: a run with result.json is never redone; an interrupted one resumes from its last
+checkpoint (train.py --resume=auto); runs already trained are only scored. Each run lives in
+OUT/<task>/<arm>/seed-<s>/ (train.py's run folder, plus console.log and result.json).
+
+Writes OUT/report.md (per task: mean ± std over seeds of every arm, the paired difference of
+each arm against GRPO (K) with a bootstrap 95% interval, per-source scores, the leak audit),
+OUT/results.json (every number of every run) and OUT/<task>-dev-vs-tokens.png. Every seed is
+reported; nothing is dropped.
+
+Leak audit: every template assigned to a problem (the GEPA archives of every P²O run) is
+checked against that problem's answer with the guard's own test (gepa.leaks_answer: the
+answer's value anywhere in the template, digits or words). The report gives the count; it
+must be 0.
+"""
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from data import load_jsonl, write_jsonl  # noqa: E402
+from eval import answer_records, summarize_records  # noqa: E402
+from gepa import leaks_answer  # noqa: E402
+
+
+@dataclass
+class Task:
+    train: str  # data names or paths (data/__init__.py)
+    dev: str
+    test: str
+    seed_templates: str  # Human-Ref's file
+    arms: tuple  # the arms run by default
+    budget: int  # generated tokens per run (--max_gen_tokens)
+    train_per_source: int = 0  # > 0: the first N training problems of each source (a shorter epoch)
+
+
+BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
+TASKS = {
+    # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, README)
+    "natural": Task("builtin-train", "builtin-dev", "builtin-test", "data/builtin/human_templates.txt",
+                    BASELINES, budget=60_000, train_per_source=8),
+    # the mechanism test: the facts exist only in a template; GRPO alone gets no signal
+    "fictional": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt",
+                      BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=40_000),
+}
+SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
+ARMS = {  # train.py settings of each arm, on top of the shared ones
+    "grpo_k": {"algo": "grpo"},
+    "grpo_2k": {"algo": "grpo", "group_size": "2K"},  # twice the shared group size
+    "dapo": {"algo": "grpo", "dynamic_sampling": True, "eps_high": 0.28},
+    "p2o_self": {"algo": "p2o", "reflector": "init"},
+    "p2o_human": {"algo": "p2o", "seed_templates": SEED_TEMPLATES},
+    "p2o_human_no_distill": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "context_distill": False},
+    "p2o_human_no_crm": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm": False},
+    "p2o_human_same_template": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "same_template_per_group": True},
+}
+SHARED = {  # every arm, every task: the smallest setting in which GRPO (K) learns measurably (README)
+    "prompts_per_step": 8, "group_size": 6, "max_tokens": 96, "epochs": 1000, "eval_every": 4, "eval_k": 0,
+    "save_every": 4, "gepa_min_hard": 4, "gepa_budget": 120, "gepa_parents": 4,
+}
+QUICK = {  # --quick: a tiny random model, so the harness (not the method) is what is tested
+    "backend": "hf", "prompts_per_step": 4, "group_size": 3, "max_tokens": 8, "epochs": 1000, "eval_every": 2,
+    "eval_k": 0, "save_every": 2, "gepa_min_hard": 1, "gepa_budget": 12, "gepa_parents": 2, "gepa_minibatch": 1,
+    "autocast_bf16": False,
+}
+
+
+def arm_settings(arm, task, shared):
+    """train.py settings of one arm on one task: shared, then the arm's own."""
+    settings = {**shared, "train_data": task.train, "dev_data": task.dev}
+    for key, value in ARMS[arm].items():
+        if value == SEED_TEMPLATES:
+            value = os.path.join(ROOT, task.seed_templates)
+        if value == "2K":
+            value = 2 * settings["group_size"]
+        settings[key] = value
+    return settings
+
+
+def source_subset(name, per_source, out_path):
+    """The first per_source problems of each source of a data set, written to out_path."""
+    problems, taken = load_jsonl(name)[0], {}
+    subset = [p for p in problems if taken.setdefault(p.source, []).append(p) or len(taken[p.source]) <= per_source]
+    write_jsonl(out_path, subset)
+    return out_path
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def train_run(run_dir, settings, budget, model, seed):
+    """train.py in a subprocess until the budget is spent; resumes an interrupted run."""
+    out_dir, name = os.path.split(run_dir)
+    args = {**settings, "model": model, "seed": seed, "max_gen_tokens": budget, "out_dir": out_dir, "run_name": name}
+    if os.path.exists(os.path.join(run_dir, "latest")):
+        args["resume"] = "auto"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py")] + [f"--{k}={v}" for k, v in args.items()]
+    os.makedirs(run_dir, exist_ok=True)
+    t = time.perf_counter()
+    with open(os.path.join(run_dir, "console.log"), "a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise SystemExit(f"{run_dir}: train.py exited {code}; see {run_dir}/console.log (rerun to resume)")
+    return time.perf_counter() - t
+
+
+class Scorer:
+    """Test-set scores of checkpoints with one engine, loaded once and pushed each checkpoint's weights."""
+
+    def __init__(self, backend, k, temperature, max_tokens):
+        self.backend, self.k, self.temperature, self.max_tokens, self.engine = backend, k, temperature, max_tokens, None
+
+    def __call__(self, checkpoint, problems, seed=0):
+        from safetensors.torch import load_file
+
+        from rollout import make_rollout
+
+        if self.engine is None:
+            self.engine = make_rollout(self.backend, checkpoint, **({"seed": seed} if self.backend == "vllm" else {}))
+        else:
+            self.engine.push_weights(load_file(os.path.join(checkpoint, "model.safetensors")))
+        records = answer_records(self.engine, problems, k=self.k, temperature=self.temperature,
+                                 max_tokens=self.max_tokens, progress=False, seed=seed)
+        overall, by_source = summarize_records(records, self.k)
+        return {"overall": overall, "by_source": by_source}
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def leak_audit(run_dir, answers):
+    """(templates assigned, [(problem id, template)] that contain the problem's answer)."""
+    assigned, leaks = 0, []
+    for path in sorted(glob.glob(os.path.join(run_dir, "gepa-epoch-*.json"))):
+        with open(path) as f:
+            assignment = json.load(f)["assignment"]
+        for pid, templates in assignment.items():
+            for template in set(t for t in templates if t):
+                assigned += 1
+                if leaks_answer(template, answers[pid]):
+                    leaks.append((pid, template))
+    return assigned, leaks
+
+
+def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers):
+    """Score the final and the best-dev checkpoints, audit the templates, write result.json."""
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    tokens_at = {m["step"]: m["generated_tokens"] for m in metrics}
+    dev = [{**d, "generated_tokens": tokens_at.get(d["step"], 0)} for d in read_jsonl(os.path.join(run_dir, "dev.jsonl"))]
+    final = os.path.realpath(os.path.join(run_dir, "latest"))
+    best = os.path.realpath(os.path.join(run_dir, "best")) if os.path.exists(os.path.join(run_dir, "best")) else final
+    scores = {"final": scorer(final, test)}
+    scores["best"] = scores["final"] if best == final else scorer(best, test)
+    assigned, leaks = leak_audit(run_dir, answers)
+    last = metrics[-1] if metrics else {}
+    result = {"arm": arm, "seed": seed, "settings": settings, "budget": budget,
+              "generated_tokens": last.get("generated_tokens", 0), "steps": last.get("step", 0),
+              "train_seconds": wall, "final_checkpoint": os.path.basename(final),
+              "best_checkpoint": os.path.basename(best), "test": scores, "dev": dev,
+              "templates_assigned": assigned, "leaks": leaks}
+    tmp = os.path.join(run_dir, "result.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, os.path.join(run_dir, "result.json"))
+    return result
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def mean_std(xs):
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def bootstrap_ci(diffs, n=10_000, seed=0):
+    """95% percentile interval of the mean of `diffs`, resampled with replacement."""
+    rng = random.Random(seed)
+    means = sorted(statistics.mean(rng.choices(diffs, k=len(diffs))) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def metric_keys(k):
+    return ["greedy"] + ([f"avg@{k}", f"pass@{k}"] if k else [])
+
+
+def task_report(task_name, results, k):
+    """Markdown lines for one task: {arm: [result per seed]}."""
+    keys = metric_keys(k)
+    lines = [f"## {task_name}", "",
+             "| arm | seeds | generated tokens | steps | " + " | ".join(f"{w} {m}" for w in ("final", "best")
+                                                                     for m in keys) + " |",
+             "|---|---|---|---|" + "---|" * (2 * len(keys))]
+    for arm, runs in results.items():
+        cells = []
+        for which in ("final", "best"):
+            for m in keys:
+                mu, sd = mean_std([r["test"][which]["overall"][m] for r in runs])
+                cells.append(f"{mu:.3f} ± {sd:.3f}")
+        tokens = mean_std([r["generated_tokens"] for r in runs])
+        lines.append(f"| {arm} | {len(runs)} | {tokens[0]:,.0f} | {statistics.mean(r['steps'] for r in runs):.1f} | "
+                     + " | ".join(cells) + " |")
+    base = {r["seed"]: r for r in results.get("grpo_k", [])}
+    if base:
+        lines += ["", "Paired difference against grpo_k (same seeds; mean, bootstrap 95% interval over seeds), "
+                      "final checkpoint:", "", "| arm | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for arm, runs in results.items():
+            if arm == "grpo_k":
+                continue
+            cells = []
+            for m in keys:
+                diffs = [r["test"]["final"]["overall"][m] - base[r["seed"]]["test"]["final"]["overall"][m]
+                         for r in runs if r["seed"] in base]
+                if diffs:
+                    lo, hi = bootstrap_ci(diffs)
+                    cells.append(f"{statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}]")
+                else:
+                    cells.append("-")
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    sources = sorted({s for runs in results.values() for r in runs for s in r["test"]["final"]["by_source"]})
+    metric = keys[1] if k else "greedy"
+    lines += ["", f"Per source, final checkpoint, {metric} (mean over seeds):", "",
+              "| arm | " + " | ".join(sources) + " |", "|---|" + "---|" * len(sources)]
+    for arm, runs in results.items():
+        cells = [f"{statistics.mean(r['test']['final']['by_source'][s][metric] for r in runs):.3f}" for s in sources]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    assigned = sum(r["templates_assigned"] for runs in results.values() for r in runs)
+    leaks = [(r["arm"], r["seed"], *leak) for runs in results.values() for r in runs for leak in r["leaks"]]
+    lines += ["", f"Leak audit: {assigned} (problem, template) assignments checked, **{len(leaks)} leaks**."]
+    lines += [f"- LEAK: {arm} seed {seed}: {pid}: {template!r}" for arm, seed, pid, template in leaks]
+    return lines + [""]
+
+
+def plot_dev(task_name, results, out_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (arm, runs) in enumerate(results.items()):
+        for j, r in enumerate(runs):
+            ax.plot([d["generated_tokens"] for d in r["dev"]], [d["greedy"] for d in r["dev"]], marker=".",
+                    color=colors[i % len(colors)], alpha=0.7, label=arm if j == 0 else None)
+    ax.set_xlabel("generated tokens (rollouts + GEPA answers + reflections)")
+    ax.set_ylabel("dev greedy accuracy")
+    ax.set_title(f"{task_name}: every seed of every arm")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(out, all_results, k, command, wall):
+    lines = ["# P²O against its baselines at equal compute", "",
+             f"Command: `{command}`", "", f"Wall time of the runs that made this report: {wall / 3600:.2f} h "
+             "(sum of their training time; scoring not included).", ""]
+    for task_name, results in all_results.items():
+        if results:
+            lines += task_report(task_name, results, k)
+            png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
+            plot_dev(task_name, results, png)
+            lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(all_results, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def tiny_model(out):
+    """--quick: a random 2-layer Llama with the default model's tokenizer (created once)."""
+    path = os.path.join(out, "tiny-model")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        from model import resolve_model
+
+        tok = AutoTokenizer.from_pretrained(resolve_model())
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default=None, help=f"comma-separated: {', '.join(TASKS)} (default: all)")
+    ap.add_argument("--arms", default=None, help=f"comma-separated (default: each task's own list): {', '.join(ARMS)}")
+    ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--budget", type=int, default=0, help="generated tokens per run (default: each task's own)")
+    ap.add_argument("--k", type=int, default=None, help="test samples per problem for avg@k and pass@k (default 16)")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--out", default="results/compare")
+    ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 2 arms x 2 seeds")
+    ap.add_argument("--report_only", action="store_true", help="rewrite the report from the finished runs")
+    args = ap.parse_args(argv)
+    if args.quick:  # one task, 2 arms x 2 seeds, a short epoch (1 problem per source), 2 test samples
+        shared, backend, per_source = QUICK, "hf", 1
+        defaults = {"tasks": "fictional", "arms": "grpo_k,p2o_human", "seeds": "0,1", "k": 2, "budget": 300}
+    else:
+        shared, backend, per_source = SHARED, "vllm", None
+        defaults = {"tasks": ",".join(TASKS), "arms": "", "seeds": "0,1,2", "k": 16, "budget": 0}
+    for key, value in defaults.items():
+        if getattr(args, key) in (None, 0):
+            setattr(args, key, value)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    model = tiny_model(out) if args.quick else args.model
+    seeds = [int(s) for s in args.seeds.split(",")]
+    scorer = Scorer(backend, args.k, args.temperature, shared["max_tokens"])
+    all_results, wall = {}, 0.0
+    for task_name in args.tasks.split(","):
+        task = TASKS[task_name]
+        per = per_source or task.train_per_source
+        if per:  # a shorter epoch: GEPA (at epoch ends) runs within the budget
+            task = dataclasses.replace(task, train=source_subset(task.train, per, os.path.join(out, task_name,
+                                                                                             "train.jsonl")))
+        test = load_jsonl(task.test)[0]
+        answers = {p.id: p.answer for p in load_jsonl(task.train)[0]}
+        budget = args.budget or task.budget
+        all_results[task_name] = {}
+        for arm in (args.arms.split(",") if args.arms else task.arms):
+            settings = arm_settings(arm, task, shared)
+            for seed in seeds:
+                run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
+                done = os.path.join(run_dir, "result.json")
+                if not os.path.exists(done):
+                    if args.report_only:
+                        continue
+                    print(f"{task_name} / {arm} / seed {seed}: training to {budget:,} generated tokens", flush=True)
+                    seconds = train_run(run_dir, settings, budget, model, seed)
+                    finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
+                result = json.load(open(done))
+                wall += result["train_seconds"]
+                all_results[task_name].setdefault(arm, []).append(result)
+                final = result["test"]["final"]["overall"]
+                print(f"{task_name} / {arm} / seed {seed}: {result['generated_tokens']:,} tokens, "
+                      f"{result['steps']} steps; test greedy {final['greedy']:.3f}", flush=True)
+    command = "python experiments/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_report(out, all_results, args.k, command.strip(), wall)
+    print(f"wrote {out}/report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""experiments/compare.py: arms as train.py settings, the leak audit, the statistics of the report,
+and the whole harness on a tiny random model (--quick), including resumption."""
+
+import json
+import os
+import statistics
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import compare  # noqa: E402
+
+
+def test_arm_settings_are_train_py_settings_over_the_shared_ones():
+    task = compare.TASKS["fictional"]
+    grpo2k = compare.arm_settings("grpo_2k", task, compare.SHARED)
+    assert grpo2k["algo"] == "grpo" and grpo2k["group_size"] == 2 * compare.SHARED["group_size"]
+    human = compare.arm_settings("p2o_human_no_crm", task, compare.SHARED)
+    assert human["seed_templates"].endswith("data/fictional/facts.txt") and os.path.isfile(human["seed_templates"])
+    assert human["crm"] is False and human["train_data"] == "fictional-train"
+    import train
+
+    for arm in compare.ARMS:  # every arm is a valid train.py configuration
+        train.check_config(train.Config(**compare.arm_settings(arm, task, compare.SHARED)))
+
+
+def test_leak_audit_finds_a_template_holding_the_answer(tmp_path):
+    archive = {"assignment": {"p1": ["1 zog = 7 blarps.", "", "1 zog = 7 blarps."],
+                              "p2": ["The answer is twenty-one.", "Think."]}}
+    (tmp_path / "gepa-epoch-0.json").write_text(json.dumps(archive))
+    assigned, leaks = compare.leak_audit(str(tmp_path), {"p1": "35", "p2": "21"})
+    assert assigned == 3  # distinct non-empty templates per problem
+    assert leaks == [("p2", "The answer is twenty-one.")]
+
+
+def test_bootstrap_interval_properties():
+    assert compare.bootstrap_ci([0.1, 0.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.1))
+    diffs = [0.0, 0.1, 0.3]
+    lo, hi = compare.bootstrap_ci(diffs)
+    assert min(diffs) <= lo <= statistics.mean(diffs) <= hi <= max(diffs)
+    assert compare.bootstrap_ci(diffs) == compare.bootstrap_ci(diffs)  # seeded
+
+
+def fake(arm, seed, greedy, leaks=()):
+    score = {"overall": {"greedy": greedy}, "by_source": {"s": {"greedy": greedy}}}
+    return {"arm": arm, "seed": seed, "generated_tokens": 100, "steps": 3, "test": {"final": score, "best": score},
+            "templates_assigned": 2, "leaks": list(leaks), "dev": []}
+
+
+def test_report_pairs_seeds_and_states_the_leaks():
+    results = {"grpo_k": [fake("grpo_k", 0, 0.2), fake("grpo_k", 1, 0.4)],
+               "p2o_human": [fake("p2o_human", 1, 0.7), fake("p2o_human", 0, 0.3, [("q", "it is 5")])]}
+    text = "\n".join(compare.task_report("t", results, k=0))
+    assert "| grpo_k | 2 | 100 | 3.0 | 0.300 ± 0.141 |" in text  # mean and sample std of 0.2, 0.4
+    assert "| p2o_human | +0.200 [+0.100, +0.300] |" in text  # paired by seed: 0.3 - 0.2, 0.7 - 0.4
+    assert "**1 leaks**" in text and "p2o_human seed 0: q: 'it is 5'" in text
+
+
+def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "cmp"
+    assert compare.main(["--quick", f"--out={out}"]) == 0
+    results = json.loads((out / "results.json").read_text())["fictional"]
+    assert sorted(results) == ["grpo_k", "p2o_human"] and all(len(runs) == 2 for runs in results.values())
+    for runs in results.values():
+        for r in runs:
+            assert r["generated_tokens"] >= r["budget"] == 300  # trained until the budget was spent
+            assert {"greedy", "avg@2", "pass@2"} <= set(r["test"]["final"]["overall"])
+            assert len(r["test"]["final"]["by_source"]) == 10  # the ten unit pairs
+    human = results["p2o_human"][0]
+    assert human["settings"]["seed_templates"].endswith("facts.txt")
+    assert (out / "fictional" / "p2o_human" / "seed-0" / "gepa-epoch-0.json").exists()  # GEPA ran within budget
+    report = (out / "report.md").read_text()
+    assert "| grpo_k | 2 |" in report and "Leak audit" in report and (out / "fictional-dev-vs-tokens.png").exists()
+
+    # a finished run is never redone; an interrupted one (no result.json) resumes from its checkpoint
+    os.remove(out / "fictional" / "grpo_k" / "seed-1" / "result.json")
+    calls = []
+    real = compare.train_run
+    monkeypatch.setattr(compare, "train_run", lambda *a: calls.append(a[0]) or real(*a))
+    assert compare.main(["--quick", f"--out={out}"]) == 0
+    assert calls == [str(out / "fictional" / "grpo_k" / "seed-1")]
+    assert "--resume=auto" in (out / "fictional" / "grpo_k" / "seed-1" / "console.log").read_text()
+    again = json.loads((out / "results.json").read_text())["fictional"]
+    assert again["grpo_k"][1]["generated_tokens"] == results["grpo_k"][1]["generated_tokens"]
