@@ -12,9 +12,13 @@ Ten unit pairs with factors 5-9 (each factor twice), n = 2..9 of the big unit: 8
 dealt per pair (seeded) into 4 train, 1 dev and 3 test problems, so every pair appears in
 every split and the facts are shared while no problem repeats. Every answer n x f >= 10 is
 larger than every number in the facts (1 and the factors), so a template of facts never
-contains an answer. facts.txt holds the Human-Ref seed template (--seed_templates): all ten
-facts in one line (GEPA assigns templates per problem without knowing its pair, so a useful
-seed must carry all of them).
+contains an answer. facts.txt holds the Human-Ref seed templates (--seed_templates), one per
+pair, in the worked form that helped most. Measured on the train split with the default model
+(8 samples at T = 0.6, few-shot prompt): no template avg@8 0.019 (35/40 prompts all-fail); the
+problem's own pair as "1 zog = 7 blarps." 0.081 (20/40), as the worked line below 0.138
+(14/40); all ten facts in one template 0.016 (35/40; the model recites the list) -- the model
+uses one fact in context, not a table of ten, and GEPA assigns templates to the hard prompts
+that it did not score without knowing their pair (README, "Evidence").
 """
 
 import argparse
@@ -34,11 +38,8 @@ SPLITS = {"train": 4, "dev": 1, "test": 3}  # problems per pair
 
 
 def fact(big, small, factor):
-    return f"1 {big} = {factor} {small}s."
-
-
-def facts_template():
-    return "Unit facts: " + " ".join(fact(*p) for p in PAIRS)
+    """The Human-Ref seed template of one pair."""
+    return f"1 {big} = {factor} {small}s, so n {big}s = n × {factor} {small}s."
 
 
 def make_splits(seed=0):
@@ -70,8 +71,9 @@ def main():
         print(f"wrote {len(rows)} problems to {path}")
     path = os.path.join(args.out, "facts.txt")
     with open(path, "w", encoding="utf-8") as f:
-        f.write("# Human-Ref seed template for the fictional-unit task (data/fictional.py)\n" + facts_template() + "\n")
-    print(f"wrote the facts template ({len(facts_template())} characters) to {path}")
+        f.write("# Human-Ref seed templates of the fictional-unit task, one per pair (data/fictional.py)\n")
+        f.writelines(fact(*p) + "\n" for p in PAIRS)
+    print(f"wrote {len(PAIRS)} seed templates to {path}")
 
 
 if __name__ == "__main__":

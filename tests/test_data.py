@@ -7,6 +7,7 @@ import pytest
 
 from data import DataError, load_jsonl, resolve_data
 from data import fictional
+from gepa import read_seed_templates
 from data.builtin import LEVELS, make_splits
 from prompts import FEWSHOT
 
@@ -111,8 +112,8 @@ def test_fictional_units_splits_share_facts_never_problems_and_facts_never_hold_
         for p in rows:  # an independent solver: the factor from the table, the count from the text
             m = re.fullmatch(r"How many (\w+)s are in (\d+) (\w+)s\?", p.problem)
             assert int(p.answer) == int(m.group(2)) * factor[m.group(1)]
-    facts = open(resolve_data("fictional-train").replace("train.jsonl", "facts.txt")).read().splitlines()[1]
-    assert facts == fictional.facts_template() and len(facts) <= 300
-    numbers = {int(x) for x in re.findall(r"\d+", facts)}
+    path = resolve_data("fictional-train").replace("train.jsonl", "facts.txt")
+    assert read_seed_templates(path, 300) == [fictional.fact(*p) for p in fictional.PAIRS]
+    numbers = {int(x) for x in re.findall(r"\d+", open(path).read())}
     assert numbers == {1, 5, 6, 7, 8, 9}
-    assert not numbers & {int(p.answer) for rows in splits.values() for p in rows}  # no answer in the template
+    assert not numbers & {int(p.answer) for rows in splits.values() for p in rows}  # no answer in a template
