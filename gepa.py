@@ -6,7 +6,8 @@ The search is pure logic around two callables, so it can be read and tested alon
 
     answer_fn([(template, item), ...], kind) -> [response text, ...]   # greedy, current policy;
                                             # kind: "gepa_dev" | "gepa_minibatch" (accounting)
-    reflect_fn([meta_prompt, ...])        -> [(text, finished), ...]  # sampled, reflector
+    reflect_fn([meta_prompt, ...])        -> [(text, finished), ...]  # sampled, reflector; an entry
+                                            # may be None: a failed call, rejected as call_failed
 
     result = run_gepa(hard, answer_fn, reflect_fn, train.Config(gepa_budget=400), random.Random(0))
     result.pool        -> ["", "Multiply before adding. ...", ...]    candidate 0 is the empty seed
@@ -439,9 +440,10 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
         # ---- reflect (one batched call), guard, test on the same minibatch
         outputs = reflect_fn(prompts) if prompts else []
         res.reflection_calls += len(prompts)
-        for idx, (text, finished) in zip(live, outputs):
+        for idx, output in zip(live, outputs):
             p, mb = parents[idx], batches[idx]
-            child, reason = guard(text, finished, res.pool[p], res.pool, mb, cfg)
+            text, finished = output or ("", False)  # None: the reflection call failed (a server reflector)
+            child, reason = guard(text, finished, res.pool[p], res.pool, mb, cfg) if output else (None, "call_failed")
             entry = {"iteration": iteration, "parent": p, "proposal": text[:2000]}
             if child is None:
                 res.rejections[reason] += 1

@@ -19,6 +19,9 @@ whose last message is an assistant turn is a prefill that the answer continues.
 that was actually sampled from, i.e. after temperature and top-p (vLLM "processed_logprobs",
 HF generate's processed scores); for greedy decoding that is the raw model distribution.
 
+`OpenAIReflector` is a third generator, for GEPA's reflections only (Teacher-Ref): a model behind
+an OpenAI-compatible chat API (vLLM's own server, or any hosted model), reached over HTTP.
+
 The vLLM engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `push_weights`
 can hand tensors to its worker without serialising them. Pushes are verified by comparing float64
 checksums (count, sum, sum of squares, all order-independent) of the engine's parameters with
@@ -26,7 +29,12 @@ those of the pushed tensors cast to the engine dtype: a push that loaded nothing
 values, raises WeightPushError instead of letting generation continue on stale weights.
 """
 
+import json
 import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -328,3 +336,80 @@ def make_rollout(backend, model_path, **kwargs):
     if backend == "hf":
         return HFRollout(model_path, **kwargs)
     raise ValueError(f"unknown rollout backend {backend!r} (vllm | hf)")
+
+
+class ReflectorError(RuntimeError):
+    """The reflector server cannot be used at all (unreachable, or not an OpenAI-compatible API)."""
+
+
+class OpenAIReflector:
+    """A reflector behind an OpenAI-compatible /chat/completions API (Teacher-Ref).
+
+        teacher = OpenAIReflector("http://localhost:8000/v1", model="", api_key_env="OPENAI_API_KEY")
+        teacher.reflect([meta_prompt, ...], temperature=0.8, max_tokens=120, seed=0)
+        -> [(text, finished) or None, ...], with teacher.calls, .failures, .tokens updated
+
+    The constructor asks the server for its models (/models) and raises ReflectorError with the
+    reason when it is unreachable or answers something else; model '' takes the first model it
+    serves. Each prompt is one request with `timeout` seconds; a connection error, a timeout, a
+    429 or a 5xx is retried `retries` times with exponential backoff, anything else (another 4xx,
+    a body that is not a chat completion) is not. A prompt that still fails gives None: the
+    caller counts and skips it. The teacher writes the delimiters itself (no prefill: hosted APIs
+    do not continue an assistant turn). The API key is read from the environment variable
+    `api_key_env` and only ever sent in the Authorization header."""
+
+    def __init__(self, base_url, model="", api_key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
+                 workers=4):
+        self.base_url, self.timeout, self.retries, self.backoff = base_url.rstrip("/"), timeout, retries, backoff
+        self._key, self.workers = os.environ.get(api_key_env, ""), workers
+        self.calls = self.failures = self.tokens = 0
+        try:
+            served = [m["id"] for m in self._request("/models")["data"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ReflectorError(f"reflector {self.base_url}: unreachable or not an OpenAI-compatible API "
+                                 f"(GET /models: {type(e).__name__}: {e})") from None
+        if not served or (model and model not in served):
+            raise ReflectorError(f"reflector {self.base_url} serves {served}, not {model or 'any model'!r}")
+        self.model = model or served[0]
+
+    def _request(self, path, body=None):
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read().decode("utf-8"))
+
+    def _complete(self, prompt, temperature, max_tokens, seed):
+        """(text, finished, completion tokens) or None after the retries."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+        for attempt in range(self.retries + 1):
+            try:
+                out = self._request("/chat/completions", body)
+                choice = out["choices"][0]
+                text = choice["message"]["content"]
+                if not isinstance(text, str):
+                    return None  # garbage: retrying will not help
+                usage = out.get("usage") or {}
+                return text, choice.get("finish_reason") == "stop", int(usage.get("completion_tokens") or 0)
+            except urllib.error.HTTPError as e:
+                if e.code != 429 and e.code < 500:
+                    return None
+            except (ValueError, KeyError, IndexError, TypeError):
+                return None
+            except OSError:  # refused, reset, timed out: the server may come back
+                pass
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2 ** attempt)
+        return None
+
+    def reflect(self, prompts, temperature, max_tokens, seed=0):
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            done = list(pool.map(lambda ip: self._complete(ip[1], temperature, max_tokens, seed + ip[0]),
+                                 enumerate(prompts)))
+        self.calls += len(prompts)
+        self.failures += sum(d is None for d in done)
+        self.tokens += sum(d[2] for d in done if d is not None)
+        return [None if d is None else d[:2] for d in done]

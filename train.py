@@ -70,7 +70,7 @@ from eval import answer_records, summarize_records
 from model import resolve_model
 from plot import plot_run
 from prompts import FORMATS, problem_messages
-from rollout import HFRollout, encode_prompt, make_rollout
+from rollout import HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
 from runs import (RunLog, load_rank_state, load_trainer_state, point, resolve_resume, route_library_logs,
                   save_checkpoint, start_branch, write_atomic)
 from verify import reward as verify_reward
@@ -123,7 +123,11 @@ class Config:
     template_max_growth: float = 1.5  # guard: a child may be at most this times longer than a non-empty parent
     guard_copy_words: int = 8  # guard: this many consecutive words of a minibatch problem (or all of a shorter one) = a copy
     reflect_answer_chars: int = 300  # the policy's answer is cut to this many characters in a reflection record
-    reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id (Teacher-Ref)
+    reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id or an http(s)://HOST:PORT/v1 OpenAI-compatible server (Teacher-Ref)
+    reflector_model: str = ""  # model name at a reflector server ('' = the first it serves)
+    reflector_api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the server's API key (never logged)
+    reflector_timeout: float = 60.0  # seconds per reflection request to a server
+    reflector_retries: int = 3  # retries of a failed request (backoff 1, 2, 4 s); then it is counted and skipped
     reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
     reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
     reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
@@ -722,8 +726,10 @@ def gepa_round(cfg, epoch, hard_problems, engine, weights, model_path, counts, r
         counts[f"{kind}_tokens"] += sum(len(g[0].response_ids) for g in out)
         return [g[0].text for g in out]
 
-    reflector_engine, swap = engine, None
-    if reflect_override is None and cfg.reflector == "init":  # Self-Ref: the frozen starting weights, swapped into the engine
+    reflector_engine, swap, teacher = engine, None, None
+    if reflect_override is None and remote_reflector(cfg):  # Teacher-Ref over an OpenAI-compatible API
+        teacher = open_reflector(cfg)
+    elif reflect_override is None and cfg.reflector == "init":  # Self-Ref: the frozen starting weights, swapped into the engine
         from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
         swap = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
     elif reflect_override is None and cfg.reflector != "policy":  # Teacher-Ref: another local model
@@ -733,6 +739,14 @@ def gepa_round(cfg, epoch, hard_problems, engine, weights, model_path, counts, r
         if reflect_override is not None:  # tests: a scripted reflector
             counts["reflection_calls"] += len(prompts)
             return reflect_override(prompts)
+        if teacher is not None:  # its tokens are cost, not policy compute: counted apart
+            before = (teacher.failures, teacher.tokens)
+            out = teacher.reflect(prompts, cfg.reflect_temperature, cfg.reflect_max_tokens,
+                                  seed=cfg.seed * 7 + counts["reflection_calls"])
+            counts["reflection_calls"] += len(prompts)
+            counts["teacher_failures"] += teacher.failures - before[0]
+            counts["teacher_tokens"] += teacher.tokens - before[1]
+            return out
         current = {k: v.detach().clone() for k, v in weights.items()} if swap else None
         if swap:
             engine.push_weights(swap)
@@ -754,6 +768,19 @@ def gepa_round(cfg, epoch, hard_problems, engine, weights, model_path, counts, r
     seeds = gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars) if cfg.seed_templates else ()
     return gepa.run_gepa(hard_problems, answer_fn, reflect_fn, cfg, rng, k=cfg.group_size,
                          same_for_group=cfg.same_template_per_group, reward_fn=reward_fn, seeds=seeds)
+
+
+def remote_reflector(cfg):
+    return cfg.reflector.startswith(("http://", "https://"))
+
+
+def open_reflector(cfg):
+    """The Teacher-Ref client; a server that cannot be used is a one-line exit."""
+    try:
+        return OpenAIReflector(cfg.reflector, cfg.reflector_model, cfg.reflector_api_key_env,
+                               cfg.reflector_timeout, cfg.reflector_retries)
+    except ReflectorError as e:
+        raise SystemExit(str(e)) from None
 
 
 def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights=None, run_gepa=True):
@@ -949,6 +976,8 @@ def start_run(cfg, engine):
         if state.best_step >= 0:
             point(run_dir, "best", state.best_step)
     log = RunLog(run_dir, state.step, cfg) if main else None
+    if main and cfg.algo == "p2o" and remote_reflector(cfg):  # fail now, not at the first epoch's end
+        print(f"reflector: {open_reflector(cfg).model} at {cfg.reflector}")
     dist.barrier()
     return Run(cfg, rank, world, main, run_dir, train_set, dev_set, {p.id: p for p in train_set},
                PromptStream(train_set, cfg.seed), cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step),

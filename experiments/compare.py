@@ -4,6 +4,7 @@
     python experiments/compare.py --tasks=fictional --arms=grpo_k,p2o_human --seeds=0,1
     python experiments/compare.py --quick              # a smoke test of the harness on a tiny random model (CI)
     python experiments/compare.py --report_only        # rewrite the report from the finished runs
+    python experiments/compare.py --reflector=http://HOST:PORT/v1 [--reflector_model=NAME]   # + P²O Teacher-Ref
 
 Every arm is a train.py configuration (ARMS; no second training path) on top of the task's
 shared settings (TASKS). Compute matching: every arm runs until it has generated the same
@@ -330,6 +331,8 @@ def main(argv=None):
     ap.add_argument("--out", default="results/compare")
     ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 2 arms x 2 seeds")
     ap.add_argument("--report_only", action="store_true", help="rewrite the report from the finished runs")
+    ap.add_argument("--reflector", default="", help="an OpenAI-compatible server: adds the p2o_teacher arm")
+    ap.add_argument("--reflector_model", default="", help="the model name at --reflector ('' = its first)")
     args = ap.parse_args(argv)
     if args.quick:  # one task, 2 arms x 2 seeds, a short epoch (1 problem per source), 2 test samples
         shared, backend, per_source = QUICK, "hf", 1
@@ -340,6 +343,8 @@ def main(argv=None):
     for key, value in defaults.items():
         if getattr(args, key) in (None, 0):
             setattr(args, key, value)
+    if args.reflector:  # Teacher-Ref: the API key stays in the environment (train.py --reflector_api_key_env)
+        ARMS["p2o_teacher"] = {"algo": "p2o", "reflector": args.reflector, "reflector_model": args.reflector_model}
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     model = tiny_model(out) if args.quick else args.model
@@ -356,7 +361,8 @@ def main(argv=None):
         answers = {p.id: p.answer for p in load_jsonl(task.train)[0]}
         budget = args.budget or task.budget
         all_results[task_name] = {}
-        for arm in (args.arms.split(",") if args.arms else task.arms):
+        arms = args.arms.split(",") if args.arms else list(task.arms) + (["p2o_teacher"] if args.reflector else [])
+        for arm in arms:
             settings = arm_settings(arm, task, shared)
             for seed in seeds:
                 run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")

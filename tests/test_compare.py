@@ -85,3 +85,14 @@ def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     assert "--resume=auto" in (out / "fictional" / "grpo_k" / "seed-1" / "console.log").read_text()
     again = json.loads((out / "results.json").read_text())["fictional"]
     assert again["grpo_k"][1]["generated_tokens"] == results["grpo_k"][1]["generated_tokens"]
+
+
+def test_a_reflector_server_adds_the_teacher_arm(tmp_path, monkeypatch):
+    monkeypatch.setitem(compare.ARMS, "p2o_teacher", {})  # restored after the test
+    assert compare.main(["--report_only", "--tasks=fictional", "--reflector=http://127.0.0.1:9/v1",
+                         "--reflector_model=big", f"--out={tmp_path}"]) == 0
+    settings = compare.arm_settings("p2o_teacher", compare.TASKS["fictional"], compare.SHARED)
+    assert (settings["reflector"], settings["reflector_model"], settings["algo"]) == ("http://127.0.0.1:9/v1", "big", "p2o")
+    import train
+
+    train.check_config(train.Config(**settings))  # a valid train.py configuration (the server is checked at start)
