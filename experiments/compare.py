@@ -86,7 +86,7 @@ SHARED = {  # every arm, every task: the smallest setting in which GRPO (K) lear
 }
 QUICK = {  # --quick: a tiny random model, so the harness (not the method) is what is tested
     "backend": "hf", "prompts_per_step": 4, "group_size": 3, "max_tokens": 8, "epochs": 1000, "eval_every": 2,
-    "eval_k": 0, "save_every": 2, "gepa_min_hard": 1, "gepa_budget": 12, "gepa_parents": 2, "gepa_minibatch": 1,
+    "eval_k": 0, "save_every": 2, "gepa_min_hard": 1, "gepa_budget": 40, "gepa_parents": 2, "gepa_minibatch": 1,
     "autocast_bf16": False,
 }
 
