@@ -128,6 +128,18 @@ def point(run_dir, pointer, step):
     os.replace(tmp, path)
 
 
+def prune_checkpoints(run_dir, keep):
+    """Delete all checkpoints of the run but the newest `keep` and the ones `latest` and `best`
+    name (those are always kept). Checkpoints are written whole before `latest` moves, so a
+    deletion never touches the one a resume would read. Returns the names deleted."""
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith("ckpt-") and n[5:].isdigit())
+    named = {pointer_target(run_dir, p) for p in ("latest", "best")}
+    doomed = [n for n in names[:-keep] if n not in named] if keep > 0 else []
+    for name in doomed:
+        shutil.rmtree(os.path.join(run_dir, name))
+    return doomed
+
+
 def pointer_target(run_dir, pointer):
     """The checkpoint name `pointer` names (a symlink; a one-line file in runs written before
     pointers were links), or None."""

@@ -71,8 +71,8 @@ from model import resolve_model
 from plot import plot_run
 from prompts import FORMATS, problem_messages
 from rollout import HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
-from runs import (RunLog, load_rank_state, load_trainer_state, point, resolve_resume, route_library_logs,
-                  save_checkpoint, start_branch, write_atomic)
+from runs import (RunLog, load_rank_state, load_trainer_state, point, prune_checkpoints, resolve_resume,
+                  route_library_logs, save_checkpoint, start_branch, write_atomic)
 from verify import reward as verify_reward
 
 
@@ -162,6 +162,7 @@ class Config:
     eval_every: int = 5  # dev evaluation every N steps (and before and after training)
     eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
     save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
+    keep_checkpoints: int = 0  # > 0: keep only the newest N checkpoints (and latest's and best's); 0 = keep all
     log_rollouts: int = 4  # groups per step written to rollouts.jsonl
     seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
     out_dir: str = "runs"  # runs go to out_dir/run_name
@@ -993,6 +994,8 @@ def checkpoint(run):
     trainer = {"config": dataclasses.asdict(run.cfg), "loop": fields_of(run.state),
                "scheduler": run.scheduler.state_dict(), "world": run.world, **(own if run.world == 1 else {})}
     path = save_checkpoint(run.run_dir, run.state.step, run.policy, run.tokenizer, trainer, own)
+    if run.main and run.cfg.keep_checkpoints:
+        prune_checkpoints(run.run_dir, run.cfg.keep_checkpoints)
     run.seconds["checkpoints"] += time.perf_counter() - t
     return path
 

@@ -82,11 +82,11 @@ ARMS = {  # train.py settings of each arm, on top of the shared ones
 }
 SHARED = {  # every arm, every task: the smallest setting in which GRPO (K) learns measurably (README)
     "prompts_per_step": 8, "group_size": 6, "max_tokens": 96, "epochs": 1000, "eval_every": 4, "eval_k": 0,
-    "save_every": 4, "gepa_min_hard": 4, "gepa_budget": 120, "gepa_parents": 4,
+    "save_every": 4, "keep_checkpoints": 1, "gepa_min_hard": 4, "gepa_budget": 120, "gepa_parents": 4,
 }
 QUICK = {  # --quick: a tiny random model, so the harness (not the method) is what is tested
     "backend": "hf", "prompts_per_step": 4, "group_size": 3, "max_tokens": 8, "epochs": 1000, "eval_every": 2,
-    "eval_k": 0, "save_every": 2, "gepa_min_hard": 1, "gepa_budget": 40, "gepa_parents": 2, "gepa_minibatch": 1,
+    "eval_k": 0, "save_every": 2, "keep_checkpoints": 1, "gepa_min_hard": 1, "gepa_budget": 40, "gepa_parents": 2, "gepa_minibatch": 1,
     "autocast_bf16": False,
 }
 

@@ -112,3 +112,17 @@ def test_pointers_are_relative_links_that_load_as_model_folders(tmp_path, tiny_m
     assert AutoConfig.from_pretrained(resolve_model(str(moved / "latest"))).hidden_size == 32
     with pytest.raises(SystemExit, match="not a model folder"):
         resolve_model(str(moved))
+
+
+def test_prune_checkpoints_spares_the_newest_and_the_named(tmp_path):
+    from runs import point, prune_checkpoints
+
+    for step in (1, 2, 3, 5, 8):
+        (tmp_path / f"ckpt-{step:06d}").mkdir()
+    (tmp_path / "ckpt-notes").mkdir()  # not a checkpoint name: never touched
+    point(str(tmp_path), "best", 2)
+    point(str(tmp_path), "latest", 5)  # e.g. a resumed branch whose newest folder is not latest's
+    assert prune_checkpoints(str(tmp_path), keep=1) == ["ckpt-000001", "ckpt-000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()) == \
+        ["ckpt-000002", "ckpt-000005", "ckpt-000008", "ckpt-notes"]
+    assert prune_checkpoints(str(tmp_path), keep=0) == []  # 0 keeps everything

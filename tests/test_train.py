@@ -688,3 +688,12 @@ def test_time_summary_accounts_for_the_whole_wall_time():
 
     line = train.time_summary(Counter({"train": 30.0, "generate": 50.0, "GEPA": 10.0}), 100.0)
     assert line == "wall time 100 s: generate 50 (50%), train 30 (30%), GEPA 10 (10%), other 10 (10%)"
+
+
+def test_keep_checkpoints_keeps_the_newest_and_the_best(tiny_model, tmp_path):
+    cfg = tiny_config(tiny_model, tmp_path, train_data=small_data(tmp_path), dev_holdout=2, eval_every=2, eval_k=0,
+                      max_steps=4, save_every=1, keep_checkpoints=1, prompts_per_step=2)
+    train.train(cfg, reward_fn=parity_reward)
+    run = tmp_path / "t"
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000002", "ckpt-000004"]  # best, latest
+    assert os.readlink(run / "best") == "ckpt-000002" and os.readlink(run / "latest") == "ckpt-000004"
