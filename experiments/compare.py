@@ -80,7 +80,7 @@ ARMS = {  # train.py settings of each arm, on top of the shared ones
     "p2o_human_no_crm": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm": False},
     "p2o_human_same_template": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "same_template_per_group": True},
 }
-SHARED = {  # every arm, every task: the smallest setting in which GRPO (K) learns measurably (README)
+SHARED = {  # every arm, every task; a first estimate, calibration pending (README "Evidence")
     "prompts_per_step": 8, "group_size": 6, "max_tokens": 96, "epochs": 1000, "eval_every": 4, "eval_k": 0,
     "save_every": 4, "keep_checkpoints": 1, "gepa_min_hard": 4, "gepa_budget": 120, "gepa_parents": 4,
 }
