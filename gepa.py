@@ -121,6 +121,16 @@ def dev_cap(cfg, n_seeds=0):
     return cap
 
 
+def round_budget(cfg, dev_size, n_seeds):
+    """The round's metric-call budget: gepa_budget, or the gepa_auto preset's for dev_size items.
+    Either must cover the dev evaluations of the empty template and the n_seeds seeds."""
+    budget = auto_budget(cfg.gepa_auto, dev_size) if cfg.gepa_auto else cfg.gepa_budget
+    if (1 + n_seeds) * dev_size > budget:
+        raise ValueError(f"GEPA budget {budget} cannot score the empty template and {n_seeds} seed templates "
+                         f"on {dev_size} dev items")
+    return budget
+
+
 def read_seed_templates(path, max_chars):
     """Human-written templates (Human-Ref), one per line; blank lines and lines starting with '#'
     are skipped. A template longer than max_chars is an error naming its line."""
@@ -395,10 +405,7 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
     seeds = [t for t in seeds if t]
     dev, train = split_dev_train(hard, dev_cap(cfg, len(seeds)), rng)
     train = train or dev  # a tiny hard set: reflect on dev items too (then they are not held out)
-    budget = auto_budget(cfg.gepa_auto, len(dev)) if cfg.gepa_auto else cfg.gepa_budget
-    if (1 + len(seeds)) * len(dev) > budget:
-        raise ValueError(f"GEPA budget {budget} cannot score the empty template and {len(seeds)} seed templates "
-                         f"on {len(dev)} dev items")
+    budget = round_budget(cfg, len(dev), len(seeds))
     res = GepaResult(pool=["", *seeds], parents=[-1] * (1 + len(seeds)), scores=[], dev_ids=[d.id for d in dev],
                      train_ids=[t.id for t in train if t.id not in {d.id for d in dev}],
                      assignment={}, chosen=[], budget=budget)

@@ -81,6 +81,24 @@ def convert_gguf(gguf_path, out_dir):
     return out_dir
 
 
+def tiny_random_model(tokenizer_path, folder, **config):
+    """Save a randomly initialised 2-layer Llama (hidden 32, tied head, seed 0) with the tokenizer
+    of `tokenizer_path` to `folder`, and return `folder`: the model of the tests, of
+    `experiments/compare.py --quick` and of `bench/gpu_loop.py` (no download). `config` overrides
+    LlamaConfig fields (e.g. initializer_range)."""
+    import torch  # lazy, like transformers: resolving a model path needs neither
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    settings = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**settings, **config})).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def resolve_model(name_or_path=DEFAULT_MODEL):
     """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept. A path that
     exists must be a model folder (with config.json), e.g. runs/<run>/latest; anything else that

@@ -679,7 +679,7 @@ def step_metrics(state, groups, update, info, lr, cfg):
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
     flat = [s for g in groups for s in g.samples]
     lengths = [len(s.response_ids) for s in flat]
-    step_tokens = sum(lengths)  # every rollout is one training row
+    step_tokens = sum(lengths)  # every rollout (a training row, unless --drop_failed_templated drops it)
     templated = [any(g.templates) for g in groups]
     t_rewards = [r for g, t in zip(groups, templated) if t for r in g.rewards]
     p_rewards = [r for g, t in zip(groups, templated) if not t for r in g.rewards]
@@ -980,11 +980,14 @@ def start_run(cfg, engine):
     if main and cfg.algo == "p2o" and remote_reflector(cfg):  # fail now, not at the first epoch's end
         print(f"reflector: {open_reflector(cfg).model} at {cfg.reflector}")
     dist.barrier()
-    return Run(cfg, rank, world, main, run_dir, train_set, dev_set, {p.id: p for p in train_set},
-               PromptStream(train_set, cfg.seed), cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step),
-               model_path, chat_kwargs, policy, reference, tokenizer, engine,
-               tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-               optimizer, scheduler, state, log, started, Counter({"start-up": time.perf_counter() - started}))
+    return Run(cfg=cfg, rank=rank, world=world, main=main, run_dir=run_dir, train_set=train_set, dev_set=dev_set,
+               by_id={p.id: p for p in train_set}, stream=PromptStream(train_set, cfg.seed),
+               total_steps=cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step),
+               model_path=model_path, chat_kwargs=chat_kwargs, policy=policy, reference=reference,
+               tokenizer=tokenizer, engine=engine,
+               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+               optimizer=optimizer, scheduler=scheduler, state=state, log=log, started=started,
+               seconds=Counter({"start-up": time.perf_counter() - started}))
 
 
 def checkpoint(run):

@@ -34,22 +34,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from model import tiny_random_model  # noqa: E402
+
 CHILD = os.path.join(ROOT, "tests", "train_dist_child.py")
 FINAL = "ckpt-000006"
-
-
-def tiny_model(tokenizer_path, folder):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def child_config(model, data, out, device, **overrides):
@@ -154,7 +142,8 @@ def main():
 
         args.tokenizer = resolve_model()
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(args.tokenizer, os.path.join(tmp, "tiny"))
+        model = tiny_random_model(args.tokenizer, os.path.join(tmp, "tiny"), max_position_embeddings=512,
+                                  initializer_range=0.2)  # the tests' tiny model
         ok = compare_loops(tmp, model, args.device)
         ok = real_run(tmp, model, args.device) and ok
     return 0 if ok else 1

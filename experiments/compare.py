@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +48,8 @@ sys.path.insert(0, ROOT)
 from data import load_jsonl, write_jsonl  # noqa: E402
 from eval import answer_records, summarize_records  # noqa: E402
 from gepa import leaks_answer  # noqa: E402
+from model import resolve_model, tiny_random_model  # noqa: E402
+from plot import read_jsonl  # noqa: E402
 
 
 @dataclass
@@ -105,8 +108,11 @@ def arm_settings(arm, task, shared):
 
 def source_subset(name, per_source, out_path):
     """The first per_source problems of each source of a data set, written to out_path."""
-    problems, taken = load_jsonl(name)[0], {}
-    subset = [p for p in problems if taken.setdefault(p.source, []).append(p) or len(taken[p.source]) <= per_source]
+    subset, seen = [], Counter()
+    for p in load_jsonl(name)[0]:
+        seen[p.source] += 1
+        if seen[p.source] <= per_source:
+            subset.append(p)
     write_jsonl(out_path, subset)
     return out_path
 
@@ -144,17 +150,13 @@ class Scorer:
         from rollout import make_rollout
 
         if self.engine is None:
-            self.engine = make_rollout(self.backend, checkpoint, **({"seed": seed} if self.backend == "vllm" else {}))
+            self.engine = make_rollout(self.backend, checkpoint, seed=seed)
         else:
             self.engine.push_weights(load_file(os.path.join(checkpoint, "model.safetensors")))
         records = answer_records(self.engine, problems, k=self.k, temperature=self.temperature,
                                  max_tokens=self.max_tokens, progress=False, seed=seed)
         overall, by_source = summarize_records(records, self.k)
         return {"overall": overall, "by_source": by_source}
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
 def leak_audit(run_dir, answers):
@@ -304,18 +306,7 @@ def tiny_model(out):
     """--quick: a random 2-layer Llama with the default model's tokenizer (created once)."""
     path = os.path.join(out, "tiny-model")
     if not os.path.exists(os.path.join(path, "config.json")):
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        from model import resolve_model
-
-        tok = AutoTokenizer.from_pretrained(resolve_model())
-        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(path)
-        tok.save_pretrained(path)
+        tiny_random_model(resolve_model(), path)
     return path
 
 

@@ -38,17 +38,7 @@ def vllm_engine(model_path):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, model_path):
     """A tiny randomly initialised Llama with the default model's tokenizer, saved as an HF folder."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from model import tiny_random_model
 
-    tok = AutoTokenizer.from_pretrained(model_path)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         initializer_range=0.2,  # prompt-sensitive greedy outputs (0.02 repeats one token)
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    path = str(tmp_path_factory.mktemp("tiny"))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return tiny_random_model(model_path, str(tmp_path_factory.mktemp("tiny")), max_position_embeddings=512,
+                             initializer_range=0.2)  # prompt-sensitive greedy outputs (0.02 repeats one token)
