@@ -2,23 +2,24 @@
 
     python data/fictional.py        # rewrite data/fictional/{train,dev,test}.jsonl and facts.txt
 
-"How many blarps are in 5 zogs?" needs the fact "1 zog = 7 blarps", which appears in no
+"How many blarps are in 5 zogs?" needs the fact "1 zog = 11 blarps", which appears in no
 problem and in no pretraining corpus: only a template can carry it. So plain GRPO gets no
 signal here (every group fails), while P²O can sample with the fact in context and distil the
 successes into the untemplated policy. Untemplated test accuracy then measures knowledge the
 policy internalised, not a prompt (README, "Evidence").
 
-Ten unit pairs with factors 5-9 (each factor twice), n = 2..9 of the big unit: 80 problems,
-dealt per pair (seeded) into 4 train, 1 dev and 3 test problems, so every pair appears in
-every split and the facts are shared while no problem repeats. Every answer n x f >= 10 is
-larger than every number in the facts (1 and the factors), so a template of facts never
-contains an answer. facts.txt holds the Human-Ref seed templates (--seed_templates), one per
-pair, in the worked form that helped most. Measured on the train split with the default model
-(8 samples at T = 0.6, few-shot prompt): no template avg@8 0.019 (35/40 prompts all-fail); the
-problem's own pair as "1 zog = 7 blarps." 0.081 (20/40), as the worked line below 0.138
-(14/40); all ten facts in one template 0.016 (35/40; the model recites the list) -- the model
-uses one fact in context, not a table of ten, and GEPA assigns templates to the hard prompts
-that it did not score without knowing their pair (README, "Evidence").
+Ten unit pairs with two-digit factors (11, 12, 15, 20, 25, each twice), n = 2..9 of the big
+unit: 80 problems, dealt per pair (seeded) into 4 train, 1 dev and 3 test problems, so every
+pair appears in every split and the facts are shared while no problem repeats. Every answer
+n x f >= 22 differs from every number in the facts (1 and the factors), so a template of facts
+never contains an answer. facts.txt holds the Human-Ref seed templates (--seed_templates), one
+per pair, in the worked form. Measured with the default model on all 80 problems (8 samples at
+T = 0.6, few-shot prompt): no template avg@8 0.002 (79/80 prompts all-fail: the model cannot
+guess a two-digit factor), the problem's own fact 0.153 (33/80 all-fail). One-digit factors
+(5-9) were guessable: 0.019 without a template, and plain GRPO learned them from the lucky
+guesses (README, "Evidence"). Several facts in one template hurt (2 facts 0.053, 3 facts 0.015:
+the model recites the list), so the model needs its own pair's single fact, and GEPA assigns
+templates to the hard prompts that it did not score without knowing their pair.
 """
 
 import argparse
@@ -30,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import DATA_DIR, Problem, write_jsonl  # noqa: E402
 
 PAIRS = [  # (big unit, small unit, small units per big unit)
-    ("zog", "blarp", 7), ("quib", "flen", 5), ("morp", "tazzle", 6), ("dren", "wibbet", 8), ("plonk", "snig", 9),
-    ("vorn", "kliff", 7), ("grell", "pim", 5), ("yorb", "daxel", 6), ("frell", "nub", 8), ("skree", "tov", 9),
+    ("zog", "blarp", 11), ("quib", "flen", 12), ("morp", "tazzle", 15), ("dren", "wibbet", 20), ("plonk", "snig", 25),
+    ("vorn", "kliff", 11), ("grell", "pim", 12), ("yorb", "daxel", 15), ("frell", "nub", 20), ("skree", "tov", 25),
 ]
 COUNTS = range(2, 10)
 SPLITS = {"train": 4, "dev": 1, "test": 3}  # problems per pair

@@ -50,6 +50,7 @@ from eval import answer_records, summarize_records  # noqa: E402
 from gepa import leaks_answer  # noqa: E402
 from model import resolve_model, tiny_random_model  # noqa: E402
 from plot import read_jsonl  # noqa: E402
+from runs import write_atomic  # noqa: E402
 
 
 @dataclass
@@ -67,10 +68,10 @@ BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
 TASKS = {
     # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, README)
     "natural": Task("builtin-train", "builtin-dev", "builtin-test", "data/builtin/human_templates.txt",
-                    BASELINES, budget=60_000, train_per_source=8),
+                    BASELINES, budget=30_000, train_per_source=8),
     # the mechanism test: the facts exist only in a template; GRPO alone gets no signal
     "fictional": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt",
-                      BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=40_000),
+                      BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=30_000),
 }
 SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
 ARMS = {  # train.py settings of each arm, on top of the shared ones
@@ -83,7 +84,7 @@ ARMS = {  # train.py settings of each arm, on top of the shared ones
     "p2o_human_no_crm": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm": False},
     "p2o_human_same_template": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "same_template_per_group": True},
 }
-SHARED = {  # every arm, every task; a first estimate, calibration pending (README "Evidence")
+SHARED = {  # every arm, every task (sizes: README "Evidence")
     "prompts_per_step": 8, "group_size": 6, "max_tokens": 96, "epochs": 1000, "eval_every": 4, "eval_k": 0,
     "save_every": 4, "keep_checkpoints": 1, "gepa_min_hard": 4, "gepa_budget": 120, "gepa_parents": 4,
 }
@@ -159,6 +160,24 @@ class Scorer:
         return {"overall": overall, "by_source": by_source}
 
 
+def untrained_result(path, scorer, model, test):
+    """The starting model's test scores (once per task, kept in path): the row every arm starts from."""
+    if not os.path.exists(path):
+        score = scorer(model, test)
+        result = {"arm": "untrained", "seed": None, "generated_tokens": 0, "steps": 0, "train_seconds": 0.0,
+                  "test": {"final": score, "best": score}, "dev": [], "templates_assigned": 0, "leaks": []}
+        write_json(path, result)
+    return json.load(open(path))
+
+
+def write_json(path, obj):
+    """Atomically (runs.write_atomic): a crash leaves the old file or the new one."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+    write_atomic(path, write)
+
+
 def leak_audit(run_dir, answers):
     """(templates assigned, [(problem id, template)] that contain the problem's answer)."""
     assigned, leaks = 0, []
@@ -189,10 +208,7 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers
               "train_seconds": wall, "final_checkpoint": os.path.basename(final),
               "best_checkpoint": os.path.basename(best), "test": scores, "dev": dev,
               "templates_assigned": assigned, "leaks": leaks}
-    tmp = os.path.join(run_dir, "result.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, os.path.join(run_dir, "result.json"))
+    write_json(os.path.join(run_dir, "result.json"), result)
     return result
 
 
@@ -235,7 +251,7 @@ def task_report(task_name, results, k):
         lines += ["", "Paired difference against grpo_k (same seeds; mean, bootstrap 95% interval over seeds), "
                       "final checkpoint:", "", "| arm | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
         for arm, runs in results.items():
-            if arm == "grpo_k":
+            if arm in ("grpo_k", "untrained"):
                 continue
             cells = []
             for m in keys:
@@ -270,7 +286,7 @@ def plot_dev(task_name, results, out_path):
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (arm, runs) in enumerate(results.items()):
-        for j, r in enumerate(runs):
+        for j, r in enumerate(r for r in runs if r["dev"]):
             ax.plot([d["generated_tokens"] for d in r["dev"]], [d["greedy"] for d in r["dev"]], marker=".",
                     color=colors[i % len(colors)], alpha=0.7, label=arm if j == 0 else None)
     ax.set_xlabel("generated tokens (rollouts + GEPA answers + reflections)")
@@ -341,35 +357,42 @@ def main(argv=None):
     model = tiny_model(out) if args.quick else args.model
     seeds = [int(s) for s in args.seeds.split(",")]
     scorer = Scorer(backend, args.k, args.temperature, shared["max_tokens"])
-    all_results, wall = {}, 0.0
+    plans = {}  # task -> (task, test problems, training answers, budget, arms)
     for task_name in args.tasks.split(","):
         task = TASKS[task_name]
         per = per_source or task.train_per_source
         if per:  # a shorter epoch: GEPA (at epoch ends) runs within the budget
             task = dataclasses.replace(task, train=source_subset(task.train, per, os.path.join(out, task_name,
                                                                                              "train.jsonl")))
-        test = load_jsonl(task.test)[0]
-        answers = {p.id: p.answer for p in load_jsonl(task.train)[0]}
-        budget = args.budget or task.budget
-        all_results[task_name] = {}
         arms = args.arms.split(",") if args.arms else list(task.arms) + (["p2o_teacher"] if args.reflector else [])
-        for arm in arms:
-            settings = arm_settings(arm, task, shared)
-            for seed in seeds:
+        plans[task_name] = (task, load_jsonl(task.test)[0], {p.id: p.answer for p in load_jsonl(task.train)[0]},
+                            args.budget or task.budget, arms)
+    # seed-major order: a comparison cut short has every arm of the first seeds, not every seed of the first arms
+    for seed in [] if args.report_only else seeds:
+        for task_name, (task, test, answers, budget, arms) in plans.items():
+            for arm in arms:
                 run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
-                done = os.path.join(run_dir, "result.json")
-                if not os.path.exists(done):
-                    if args.report_only:
-                        continue
+                if not os.path.exists(os.path.join(run_dir, "result.json")):
                     print(f"{task_name} / {arm} / seed {seed}: training to {budget:,} generated tokens", flush=True)
+                    settings = arm_settings(arm, task, shared)
                     seconds = train_run(run_dir, settings, budget, model, seed)
-                    finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
-                result = json.load(open(done))
-                wall += result["train_seconds"]
-                all_results[task_name].setdefault(arm, []).append(result)
-                final = result["test"]["final"]["overall"]
-                print(f"{task_name} / {arm} / seed {seed}: {result['generated_tokens']:,} tokens, "
-                      f"{result['steps']} steps; test greedy {final['greedy']:.3f}", flush=True)
+                    r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
+                    print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
+                          f"{seconds:.0f} s; test greedy {r['test']['final']['overall']['greedy']:.3f}", flush=True)
+    all_results, wall = {}, 0.0
+    for task_name, (task, test, answers, budget, arms) in plans.items():
+        all_results[task_name] = {}
+        untrained = os.path.join(out, task_name, "untrained.json")
+        if not args.report_only or os.path.exists(untrained):
+            os.makedirs(os.path.dirname(untrained), exist_ok=True)
+            all_results[task_name]["untrained"] = [untrained_result(untrained, scorer, resolve_model(model), test)]
+        for arm in arms:
+            for seed in seeds:
+                done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
+                if os.path.exists(done):
+                    result = json.load(open(done))
+                    wall += result["train_seconds"]
+                    all_results[task_name].setdefault(arm, []).append(result)
     command = "python experiments/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(out, all_results, args.k, command.strip(), wall)
     print(f"wrote {out}/report.md")

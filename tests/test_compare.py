@@ -63,6 +63,8 @@ def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "cmp"
     assert compare.main(["--quick", f"--out={out}"]) == 0
     results = json.loads((out / "results.json").read_text())["fictional"]
+    untrained = results.pop("untrained")  # the starting model's scores, once per task
+    assert len(untrained) == 1 and untrained[0]["steps"] == 0 and "greedy" in untrained[0]["test"]["final"]["overall"]
     assert sorted(results) == ["grpo_k", "p2o_human"] and all(len(runs) == 2 for runs in results.values())
     for runs in results.values():
         for r in runs:
