@@ -367,6 +367,10 @@ def main(argv=None):
         arms = args.arms.split(",") if args.arms else list(task.arms) + (["p2o_teacher"] if args.reflector else [])
         plans[task_name] = (task, load_jsonl(task.test)[0], {p.id: p.answer for p in load_jsonl(task.train)[0]},
                             args.budget or task.budget, arms)
+        if not args.report_only:  # the starting model's scores first (the row every arm starts from)
+            os.makedirs(os.path.join(out, task_name), exist_ok=True)
+            untrained_result(os.path.join(out, task_name, "untrained.json"), scorer, resolve_model(model),
+                             plans[task_name][1])
     # seed-major order: a comparison cut short has every arm of the first seeds, not every seed of the first arms
     for seed in [] if args.report_only else seeds:
         for task_name, (task, test, answers, budget, arms) in plans.items():
@@ -383,9 +387,8 @@ def main(argv=None):
     for task_name, (task, test, answers, budget, arms) in plans.items():
         all_results[task_name] = {}
         untrained = os.path.join(out, task_name, "untrained.json")
-        if not args.report_only or os.path.exists(untrained):
-            os.makedirs(os.path.dirname(untrained), exist_ok=True)
-            all_results[task_name]["untrained"] = [untrained_result(untrained, scorer, resolve_model(model), test)]
+        if os.path.exists(untrained):
+            all_results[task_name]["untrained"] = [json.load(open(untrained))]
         for arm in arms:
             for seed in seeds:
                 done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
