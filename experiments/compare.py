@@ -68,10 +68,10 @@ BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
 TASKS = {
     # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, README)
     "natural": Task("builtin-train", "builtin-dev", "builtin-test", "data/builtin/human_templates.txt",
-                    BASELINES, budget=30_000, train_per_source=8),
+                    BASELINES, budget=15_000, train_per_source=8),
     # the mechanism test: the facts exist only in a template; GRPO alone gets no signal
     "fictional": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt",
-                      BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=30_000),
+                      BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=20_000),
 }
 SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
 ARMS = {  # train.py settings of each arm, on top of the shared ones
