@@ -1099,7 +1099,10 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
               "gradient is the policy gradient (see grpo.py)")
     if state.step == 0:
         dev_eval(run)
-    bar = tqdm(total=run.total_steps, initial=state.step, desc=cfg.algo, dynamic_ncols=True, disable=not main)
+    by_tokens = cfg.max_gen_tokens > 0  # a token budget ends the run: count tokens, so the ETA means something
+    bar = tqdm(total=cfg.max_gen_tokens if by_tokens else run.total_steps, unit="tok" if by_tokens else "step",
+               initial=generated_tokens(state.counts) if by_tokens else state.step, desc=cfg.algo,
+               dynamic_ncols=True, disable=not main)
     gepa_args = (run.engine, run.model_path, reward_fn, reflect_fn)
     records = []
     try:
@@ -1108,9 +1111,10 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
             if run.stream.epoch_of(state.consumed) > state.epoch:
                 epoch_boundary(run, gepa_args)
             m, info = train_step(run, reward_fn)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", zero_var=f"{m['zero_variance_groups']:.2f}",
-                            gen=f"{info['generate']:.1f}s", train=f"{info['train']:.1f}s")
+            bar.update(generated_tokens(state.counts) - bar.n if by_tokens else 1)
+            bar.set_postfix(step=state.step, reward=f"{m['reward_mean']:.3f}",
+                            zero_var=f"{m['zero_variance_groups']:.2f}", gen=f"{info['generate']:.1f}s",
+                            train=f"{info['train']:.1f}s")
             if state.bad_steps >= cfg.max_bad_steps:
                 raise RuntimeError(f"{state.bad_steps} consecutive non-finite steps; stopped after saving "
                                    f"{checkpoint(run)}")
