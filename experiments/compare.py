@@ -199,13 +199,15 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers
     dev = [{**d, "generated_tokens": tokens_at.get(d["step"], 0)} for d in read_jsonl(os.path.join(run_dir, "dev.jsonl"))]
     final = os.path.realpath(os.path.join(run_dir, "latest"))
     best = os.path.realpath(os.path.join(run_dir, "best")) if os.path.exists(os.path.join(run_dir, "best")) else final
+    t = time.perf_counter()
     scores = {"final": scorer(final, test)}
     scores["best"] = scores["final"] if best == final else scorer(best, test)
+    score_seconds = time.perf_counter() - t
     assigned, leaks = leak_audit(run_dir, answers)
     last = metrics[-1] if metrics else {}
     result = {"arm": arm, "seed": seed, "settings": settings, "budget": budget,
               "generated_tokens": last.get("generated_tokens", 0), "steps": last.get("step", 0),
-              "train_seconds": wall, "final_checkpoint": os.path.basename(final),
+              "train_seconds": wall, "score_seconds": score_seconds, "final_checkpoint": os.path.basename(final),
               "best_checkpoint": os.path.basename(best), "test": scores, "dev": dev,
               "templates_assigned": assigned, "leaks": leaks}
     write_json(os.path.join(run_dir, "result.json"), result)
@@ -299,10 +301,14 @@ def plot_dev(task_name, results, out_path):
     plt.close(fig)
 
 
-def write_report(out, all_results, k, command, wall):
-    lines = ["# P²O against its baselines at equal compute", "",
-             f"Command: `{command}`", "", f"Wall time of the runs that made this report: {wall / 3600:.2f} h "
-             "(sum of their training time; scoring not included).", ""]
+def write_report(out, all_results, k, command):
+    runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
+    train_h = sum(r["train_seconds"] for r in runs) / 3600
+    score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
+    unscored = sum("score_seconds" not in r for r in runs)
+    lines = ["# P²O against its baselines at equal compute", "", f"Command: `{command}`", "",
+             f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
+             f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
     for task_name, results in all_results.items():
         if results:
             lines += task_report(task_name, results, k)
@@ -382,8 +388,8 @@ def main(argv=None):
                     seconds = train_run(run_dir, settings, budget, model, seed)
                     r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
                     print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
-                          f"{seconds:.0f} s; test greedy {r['test']['final']['overall']['greedy']:.3f}", flush=True)
-    all_results, wall = {}, 0.0
+                          f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {r['test']['final']['overall']['greedy']:.3f}", flush=True)
+    all_results = {}
     for task_name, (task, test, answers, budget, arms) in plans.items():
         all_results[task_name] = {}
         untrained = os.path.join(out, task_name, "untrained.json")
@@ -393,11 +399,9 @@ def main(argv=None):
             for seed in seeds:
                 done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
                 if os.path.exists(done):
-                    result = json.load(open(done))
-                    wall += result["train_seconds"]
-                    all_results[task_name].setdefault(arm, []).append(result)
+                    all_results[task_name].setdefault(arm, []).append(json.load(open(done)))
     command = "python experiments/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(out, all_results, args.k, command.strip(), wall)
+    write_report(out, all_results, args.k, command.strip())
     print(f"wrote {out}/report.md")
     return 0
 
