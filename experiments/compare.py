@@ -387,8 +387,9 @@ def main(argv=None):
                     settings = arm_settings(arm, task, shared)
                     seconds = train_run(run_dir, settings, budget, model, seed)
                     r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
+                    greedy = r["test"]["final"]["overall"]["greedy"]
                     print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
-                          f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {r['test']['final']['overall']['greedy']:.3f}", flush=True)
+                          f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {greedy:.3f}", flush=True)
     all_results = {}
     for task_name, (task, test, answers, budget, arms) in plans.items():
         all_results[task_name] = {}
