@@ -2,7 +2,7 @@
 
     python data/fictional.py        # rewrite data/fictional/{train,dev,test}.jsonl and facts.txt
 
-"How many blarps are in 5 zogs?" needs this world's one conversion rule (every big unit is 12
+"How many blarps are in 5 zogs?" needs this world's one conversion rule (every big unit is 13
 of its small unit), which appears in no problem and in no pretraining corpus: only a template
 can carry it. So plain GRPO gets (almost) no signal here (every group fails), while P²O can
 sample with the rule in context and distil the successes into the untemplated policy.
@@ -11,11 +11,16 @@ Untemplated test accuracy then measures knowledge the policy internalised, not a
 
 Ten made-up unit pairs sharing the rule, n = 2..9 of the big unit: 80 problems, dealt per pair
 (seeded) into 4 train, 1 dev and 3 test problems, so every pair appears in every split while no
-problem repeats. Every answer 12n >= 24 differs from the rule's only number, 12, so the rule
-never contains an answer. facts.txt holds the Human-Ref seed template
-(--seed_templates). Measured with the default model on all 80 problems (8 samples at T = 0.6,
-few-shot prompt): no template avg@8 0.000 (80/80 prompts all-fail), with the rule 0.219 (25/80
-all-fail). One rule, not one fact per pair, because P²O assigns the few templates GEPA keeps
+problem repeats. Every answer 13n >= 26 differs from the rule's only number, 13, so the rule
+never contains an answer. facts.txt holds the Human-Ref seed template (--seed_templates).
+
+Measured with the default model on all 80 problems (T = 0.6, few-shot prompt): no template
+0 correct of 1,280 samples (16 per problem), with the rule avg@8 0.083 (52/80 all-fail).
+Why 13: the factor must be one the model never guesses, because a single lucky success is
+enough for GRPO to learn a shared rule. With 12 (a dozen) the rule helps more (0.219) but
+the model guesses it (avg@16 0.006 on test), and GRPO (K) alone went from dev 0.0 to 1.0 in 8
+steps. Without a template, 11 was guessed 4 times in 1,280; 13, 17 and 23 never, and their
+rules gave 0.083, 0.059 and 0.008. One rule, not one fact per pair, because P²O assigns the few templates GEPA keeps
 to every hard prompt: with a fact per pair (factors 11-25) GEPA kept 1-3 of them and most hard
 prompts were sampled under another pair's fact, and several facts in one template hurt (the
 model recites the list). Earlier designs and their measurements: README, "Evidence".
@@ -33,7 +38,7 @@ PAIRS = [  # (big unit, small unit): made-up names
     ("zog", "blarp"), ("quib", "flen"), ("morp", "tazzle"), ("dren", "wibbet"), ("plonk", "snig"),
     ("vorn", "kliff"), ("grell", "pim"), ("yorb", "daxel"), ("frell", "nub"), ("skree", "tov"),
 ]
-FACTOR = 12  # small units per big unit, for every pair
+FACTOR = 13  # small units per big unit, for every pair: never guessed untemplated (above)
 RULE = f"Every big unit here is {FACTOR} of its small unit: n big units = n × {FACTOR} small units."
 COUNTS = range(2, 10)
 SPLITS = {"train": 4, "dev": 1, "test": 3}  # problems per pair

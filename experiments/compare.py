@@ -69,8 +69,7 @@ TASKS = {
     # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, README)
     "natural": Task("builtin-train", "builtin-dev", "builtin-test", "data/builtin/human_templates.txt",
                     BASELINES, budget=15_000, train_per_source=8),
-    # the mechanism test: the conversion rule exists only in a template; GRPO alone gets no signal.
-    # 30k tokens: GEPA spends about a third, which leaves about ten distillation steps
+    # the mechanism test: the conversion rule exists only in a template; GRPO alone gets no signal
     "fictional": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt",
                       BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=30_000),
 }
