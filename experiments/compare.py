@@ -244,7 +244,7 @@ def task_report(task_name, results, k):
         for which in ("final", "best"):
             for m in keys:
                 mu, sd = mean_std([r["test"][which]["overall"][m] for r in runs])
-                cells.append(f"{mu:.3f} ± {sd:.3f}")
+                cells.append(f"{mu:.3f} ± {sd:.3f}" if len(runs) > 1 else f"{mu:.3f}")  # one seed: no spread
         tokens = mean_std([r["generated_tokens"] for r in runs])
         lines.append(f"| {arm} | {len(runs)} | {tokens[0]:,.0f} | {statistics.mean(r['steps'] for r in runs):.1f} | "
                      + " | ".join(cells) + " |")
@@ -259,7 +259,9 @@ def task_report(task_name, results, k):
             for m in keys:
                 diffs = [r["test"]["final"]["overall"][m] - base[r["seed"]]["test"]["final"]["overall"][m]
                          for r in runs if r["seed"] in base]
-                if diffs:
+                if len(diffs) == 1:
+                    cells.append(f"{diffs[0]:+.3f} (one seed)")
+                elif diffs:
                     lo, hi = bootstrap_ci(diffs)
                     cells.append(f"{statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}]")
                 else:

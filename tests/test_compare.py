@@ -59,6 +59,13 @@ def test_report_pairs_seeds_and_states_the_leaks():
     assert "**1 leaks**" in text and "p2o_human seed 0: q: 'it is 5'" in text
 
 
+def test_report_with_one_seed_claims_no_spread():
+    results = {"grpo_k": [fake("grpo_k", 0, 0.2)], "dapo": [fake("dapo", 0, 0.5)]}
+    text = "\n".join(compare.task_report("t", results, k=0))
+    assert "| grpo_k | 1 | 100 | 3.0 | 0.200 | 0.200 |" in text and "±" not in text
+    assert "| dapo | +0.300 (one seed) |" in text
+
+
 def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "cmp"
     assert compare.main(["--quick", f"--out={out}"]) == 0
