@@ -403,7 +403,8 @@ def main(argv=None):
                 done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
                 if os.path.exists(done):
                     all_results[task_name].setdefault(arm, []).append(json.load(open(done)))
-    command = "python experiments/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    given = argv if argv is not None else sys.argv[1:]  # the runs' command: --report_only only rewrote this file
+    command = "python experiments/compare.py " + " ".join(a for a in given if a != "--report_only")
     write_report(out, all_results, args.k, command.strip())
     print(f"wrote {out}/report.md")
     return 0
