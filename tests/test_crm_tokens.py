@@ -33,7 +33,8 @@ def test_no_template_means_ratio_one_everywhere(hf_model, tokenizer):
 def test_log_probs_match_the_models_own_loss_and_the_mask_matches_the_band(hf_model, tokenizer):
     template = "Every big unit here is 13 of its small unit: n big units = n × 13 small units."
     low, high = 0.05, 5.0
-    rows = crm_tokens.token_ratios(hf_model, tokenizer, QUESTION, RESPONSE, template, low, high)
+    rows = crm_tokens.token_ratios(hf_model, tokenizer, QUESTION, RESPONSE, template, low, high,
+                                   temperature=1.0)  # HF's loss below is at temperature 1
     problem = Problem(id="crm", problem=QUESTION, answer="0", solution="", source="")
     for column, tmpl in ((1, ""), (2, template)):  # independent: HF's cross-entropy over the response labels
         prompt = encode_prompt(tokenizer, problem_messages(problem, tmpl))
