@@ -20,10 +20,10 @@ Why 13: the factor must be one the model never guesses, because a single lucky s
 enough for GRPO to learn a shared rule. With 12 (a dozen) the rule helps more (0.219) but
 the model guesses it (avg@16 0.006 on test), and GRPO (K) alone went from dev 0.0 to 1.0 in 8
 steps. Without a template, 11 was guessed 4 times in 1,280; 13, 17 and 23 never, and their
-rules gave 0.083, 0.059 and 0.008. One rule, not one fact per pair, because P²O assigns the few templates GEPA keeps
-to every hard prompt: with a fact per pair (factors 11-25) GEPA kept 1-3 of them and most hard
-prompts were sampled under another pair's fact, and several facts in one template hurt (the
-model recites the list). Earlier designs and their measurements: README, "Evidence".
+rules gave 0.083, 0.059 and 0.008. One rule, not one fact per pair, because P²O assigns the
+few templates GEPA keeps to every hard prompt: with a fact per pair (factors 11-25) GEPA kept
+1-3 of them and most hard prompts were sampled under another pair's fact, and several facts in
+one template hurt (the model recites the list). Earlier designs and their measurements: README, "Evidence".
 """
 
 import argparse
