@@ -16,7 +16,9 @@ its final and from its best-dev checkpoint.
 
 Resumable: a run with result.json is never redone; an interrupted one resumes from its last
 checkpoint (train.py --resume=auto); runs already trained are only scored. Each run lives in
-OUT/<task>/<arm>/seed-<s>/ (train.py's run folder, plus console.log and result.json).
+OUT/<task>/<arm>/seed-<s>/ (train.py's run folder, plus console.log and result.json). Once a
+run is scored its checkpoints are deleted (1.6 GB each at 135M: the default comparison would
+keep ~70 GB) unless --keep_checkpoints.
 
 Writes OUT/report.md (per task: mean ± std over seeds of every arm, the paired difference of
 each arm against GRPO (K) with a bootstrap 95% interval, per-source scores, the leak audit),
@@ -36,6 +38,7 @@ import json
 import os
 import random
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -214,6 +217,15 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers
     return result
 
 
+def drop_checkpoints(run_dir):
+    """Delete a scored run's checkpoints and their links; result.json keeps their scores and names."""
+    for name in ("latest", "best"):
+        if os.path.islink(os.path.join(run_dir, name)):
+            os.unlink(os.path.join(run_dir, name))
+    for path in glob.glob(os.path.join(run_dir, "ckpt-*")):
+        shutil.rmtree(path)
+
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -346,6 +358,7 @@ def main(argv=None):
     ap.add_argument("--out", default="results/compare")
     ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 2 arms x 2 seeds")
     ap.add_argument("--report_only", action="store_true", help="rewrite the report from the finished runs")
+    ap.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints after scoring")
     ap.add_argument("--reflector", default="", help="an OpenAI-compatible server: adds the p2o_teacher arm")
     ap.add_argument("--reflector_model", default="", help="the model name at --reflector ('' = its first)")
     args = ap.parse_args(argv)
@@ -389,6 +402,8 @@ def main(argv=None):
                     settings = arm_settings(arm, task, shared)
                     seconds = train_run(run_dir, settings, budget, model, seed)
                     r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
+                    if not args.keep_checkpoints:
+                        drop_checkpoints(run_dir)
                     greedy = r["test"]["final"]["overall"]["greedy"]
                     print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
                           f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {greedy:.3f}", flush=True)
@@ -404,7 +419,8 @@ def main(argv=None):
                 if os.path.exists(done):
                     all_results[task_name].setdefault(arm, []).append(json.load(open(done)))
     given = argv if argv is not None else sys.argv[1:]  # the runs' command: --report_only only rewrote this file
-    command = "python experiments/compare.py " + " ".join(a for a in given if a != "--report_only")
+    command = "python experiments/compare.py " + " ".join(a for a in given if a not in ("--report_only",
+                                                                                      "--keep_checkpoints"))
     write_report(out, all_results, args.k, command.strip())
     print(f"wrote {out}/report.md")
     return 0

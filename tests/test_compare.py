@@ -68,7 +68,7 @@ def test_report_with_one_seed_claims_no_spread():
 
 def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "cmp"
-    assert compare.main(["--quick", f"--out={out}"]) == 0
+    assert compare.main(["--quick", f"--out={out}", "--keep_checkpoints"]) == 0
     results = json.loads((out / "results.json").read_text())["fictional"]
     untrained = results.pop("untrained")  # the starting model's scores, once per task
     assert len(untrained) == 1 and untrained[0]["steps"] == 0 and "greedy" in untrained[0]["test"]["final"]["overall"]
@@ -92,6 +92,10 @@ def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     assert compare.main(["--quick", f"--out={out}"]) == 0
     assert calls == [str(out / "fictional" / "grpo_k" / "seed-1")]
     assert "--resume=auto" in (out / "fictional" / "grpo_k" / "seed-1" / "console.log").read_text()
+    # without --keep_checkpoints a run scored now has its checkpoints deleted; the others keep theirs
+    assert not list((out / "fictional" / "grpo_k" / "seed-1").glob("ckpt-*"))
+    assert not os.path.lexists(out / "fictional" / "grpo_k" / "seed-1" / "latest")
+    assert list((out / "fictional" / "grpo_k" / "seed-0").glob("ckpt-*"))
     again = json.loads((out / "results.json").read_text())["fictional"]
     assert again["grpo_k"][1]["generated_tokens"] == results["grpo_k"][1]["generated_tokens"]
 
