@@ -16,9 +16,11 @@ its final and from its best-dev checkpoint.
 
 Resumable: a run with result.json is never redone; an interrupted one resumes from its last
 checkpoint (train.py --resume=auto); runs already trained are only scored. Each run lives in
-OUT/<task>/<arm>/seed-<s>/ (train.py's run folder, plus console.log and result.json). Once a
-run is scored its checkpoints are deleted (1.6 GB each at 135M: the default comparison would
-keep ~70 GB) unless --keep_checkpoints.
+OUT/<task>/<arm>/seed-<s>/ (train.py's run folder, plus console.log, result.json and
+train_seconds.json: wall time summed over the run's train.py processes). Stopping compare.py
+(Ctrl-C or SIGTERM) stops train.py at a checkpoint. Once a run is scored its checkpoints are
+deleted (1.6 GB each at 135M: the default comparison would keep ~70 GB) unless
+--keep_checkpoints.
 
 Writes OUT/report.md (per task: mean ± std over seeds of every arm, the paired difference of
 each arm against GRPO (K) with a bootstrap 95% interval, per-source scores, the leak audit),
@@ -39,6 +41,7 @@ import os
 import random
 import statistics
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -136,10 +139,27 @@ def train_run(run_dir, settings, budget, model, seed):
     with open(os.path.join(run_dir, "console.log"), "a") as log:
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
-        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait()
+        except BaseException as stop:  # interrupted: train.py finishes its step, checkpoints and exits
+            if not isinstance(stop, KeyboardInterrupt):  # Ctrl-C reaches train.py itself; SIGTERM does not
+                proc.terminate()
+            proc.wait()
+            raise
+        finally:  # the time until the interruption counts too
+            seconds = add_train_seconds(run_dir, time.perf_counter() - t)
     if code:
         raise SystemExit(f"{run_dir}: train.py exited {code}; see {run_dir}/console.log (rerun to resume)")
-    return time.perf_counter() - t
+    return seconds
+
+
+def add_train_seconds(run_dir, seconds):
+    """A run's training wall time summed over its train.py processes (a resumed run has several)."""
+    path = os.path.join(run_dir, "train_seconds.json")
+    total = json.load(open(path))["seconds"] if os.path.exists(path) else 0.0
+    write_json(path, {"seconds": total + seconds})
+    return total + seconds
 
 
 class Scorer:
@@ -427,4 +447,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # train_run stops train.py too
     sys.exit(main())

@@ -98,6 +98,7 @@ def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     assert list((out / "fictional" / "grpo_k" / "seed-0").glob("ckpt-*"))
     again = json.loads((out / "results.json").read_text())["fictional"]
     assert again["grpo_k"][1]["generated_tokens"] == results["grpo_k"][1]["generated_tokens"]
+    assert again["grpo_k"][1]["train_seconds"] > results["grpo_k"][1]["train_seconds"]  # both processes' time
 
 
 def test_a_reflector_server_adds_the_teacher_arm(tmp_path, monkeypatch):
@@ -109,3 +110,26 @@ def test_a_reflector_server_adds_the_teacher_arm(tmp_path, monkeypatch):
     import train
 
     train.check_config(train.Config(**settings))  # a valid train.py configuration (the server is checked at start)
+
+
+def test_sigterm_stops_the_running_train_py_at_a_checkpoint(tmp_path):
+    """Stopping compare.py (e.g. `kill PID` at the end of a session) leaves no train.py behind:
+    the run's train.py finishes its step, checkpoints and exits, and its time so far is kept."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "cmp"
+    run = out / "fictional" / "grpo_k" / "seed-0"
+    proc = subprocess.Popen([sys.executable, "experiments/compare.py", "--quick", f"--out={out}"],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists():  # the first step is done (>= 3 of >= 4 to go)
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM
+    assert "stopped by signal 15; checkpoint" in (run / "console.log").read_text()
+    assert not (run / "result.json").exists() and os.path.exists(run / "latest")
+    assert json.loads((run / "train_seconds.json").read_text())["seconds"] > 0
