@@ -99,6 +99,12 @@ def tiny_random_model(tokenizer_path, folder, **config):
     return folder
 
 
+def pad_token_id(tokenizer):
+    """The id that pads a batch of token rows: the tokenizer's pad token, else its EOS token
+    (padding is masked out of every loss, so any id the embedding table has would do)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def resolve_model(name_or_path=DEFAULT_MODEL):
     """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept. A path that
     exists must be a model folder (with config.json), e.g. runs/<run>/latest; anything else that

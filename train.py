@@ -67,7 +67,7 @@ import gepa
 import grpo
 from data import load_jsonl
 from eval import answer_records, summarize_records
-from model import resolve_model
+from model import pad_token_id, resolve_model
 from plot import plot_run
 from prompts import FORMATS, problem_messages
 from rollout import HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
@@ -985,7 +985,7 @@ def start_run(cfg, engine):
                total_steps=cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step),
                model_path=model_path, chat_kwargs=chat_kwargs, policy=policy, reference=reference,
                tokenizer=tokenizer, engine=engine,
-               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+               pad_id=pad_token_id(tokenizer),
                optimizer=optimizer, scheduler=scheduler, state=state, log=log, started=started,
                seconds=Counter({"start-up": time.perf_counter() - started}))
 

@@ -39,9 +39,9 @@ import glob
 import json
 import os
 import random
-import statistics
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -239,9 +239,9 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers
 
 def drop_checkpoints(run_dir):
     """Delete a scored run's checkpoints and their links; result.json keeps their scores and names."""
-    for name in ("latest", "best"):
-        if os.path.islink(os.path.join(run_dir, name)):
-            os.unlink(os.path.join(run_dir, name))
+    for name in ("latest", "best"):  # a symlink, or a one-line file in runs older than links
+        if os.path.lexists(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
     for path in glob.glob(os.path.join(run_dir, "ckpt-*")):
         shutil.rmtree(path)
 
@@ -364,6 +364,41 @@ def tiny_model(out):
     if not os.path.exists(os.path.join(path, "config.json")):
         tiny_random_model(resolve_model(), path)
     return path
+
+
+def run_all(out, plans, seeds, shared, model, scorer):
+    """Train and score every run not finished yet (a run is finished once its result.json exists).
+    Seed-major order: a comparison cut short has every arm of the first seeds, not every seed of
+    the first arms."""
+    for seed in seeds:
+        for task_name, (task, test, answers, budget, arms) in plans.items():
+            for arm in arms:
+                run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
+                if os.path.exists(os.path.join(run_dir, "result.json")):
+                    continue
+                print(f"{task_name} / {arm} / seed {seed}: training to {budget:,} generated tokens", flush=True)
+                settings = arm_settings(arm, task, shared)
+                seconds = train_run(run_dir, settings, budget, model, seed)
+                r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
+                greedy = r["test"]["final"]["overall"]["greedy"]
+                print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
+                      f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {greedy:.3f}", flush=True)
+
+
+def collect_results(out, plans, seeds):
+    """{task: {arm: [result per finished seed]}}, with the untrained model as the arm "untrained"."""
+    results = {}
+    for task_name, (task, test, answers, budget, arms) in plans.items():
+        results[task_name] = {}
+        untrained = os.path.join(out, task_name, "untrained.json")
+        if os.path.exists(untrained):
+            results[task_name]["untrained"] = [json.load(open(untrained))]
+        for arm in arms:
+            for seed in seeds:
+                done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
+                if os.path.exists(done):
+                    results[task_name].setdefault(arm, []).append(json.load(open(done)))
+    return results
 
 
 def main(argv=None):

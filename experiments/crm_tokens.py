@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import Problem  # noqa: E402
 from distill import crm_weights  # noqa: E402
+from model import pad_token_id  # noqa: E402
 from prompts import problem_messages  # noqa: E402
 from rollout import encode_prompt  # noqa: E402
 from train import Config, row_logprobs  # noqa: E402
@@ -37,8 +38,7 @@ def token_ratios(model, tokenizer, question, response, template, low=0.01, high=
     problem = Problem(id="crm", problem=question, answer="0", solution="", source="")
     prompts = [encode_prompt(tokenizer, problem_messages(problem, t, fmt=prompt_format)) for t in ("", template)]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    plain, tilde = row_logprobs(model, prompts, [response_ids] * 2, pad_id, temperature)
+    plain, tilde = row_logprobs(model, prompts, [response_ids] * 2, pad_token_id(tokenizer), temperature)
     weights, log_c = crm_weights(plain, tilde, low, high)
     return [(tokenizer.decode([t]), p.item(), q.item(), c.item(), w.item() == 0.0)
             for t, p, q, c, w in zip(response_ids, plain, tilde, log_c, weights)]

@@ -36,6 +36,17 @@ def test_leak_audit_finds_a_template_holding_the_answer(tmp_path):
     assert leaks == [("p2", "The answer is twenty-one.")]
 
 
+def test_drop_checkpoints_removes_checkpoints_and_both_kinds_of_pointer(tmp_path):
+    for name in ("ckpt-000002", "ckpt-000004"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_text("w")
+    os.symlink("ckpt-000004", tmp_path / "latest")  # a link, as train.py writes them
+    (tmp_path / "best").write_text("ckpt-000002\n")  # a one-line pointer file, as older runs have
+    (tmp_path / "result.json").write_text("{}")
+    compare.drop_checkpoints(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["result.json"]
+
+
 def test_bootstrap_interval_properties():
     assert compare.bootstrap_ci([0.1, 0.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.1))
     diffs = [0.0, 0.1, 0.3]
