@@ -127,19 +127,28 @@ def source_subset(name, per_source, out_path):
 # ----------------------------------------------------------------------------- one run
 
 
+def repo_relative(value):
+    """A path inside the repository as seen from its root (train.py runs there), so that logs and
+    result.json committed under results/ name no folder of the machine they ran on; anything else
+    unchanged."""
+    if isinstance(value, str) and os.path.isabs(value) and os.path.commonpath([value, ROOT]) == ROOT:
+        return os.path.relpath(value, ROOT)
+    return value
+
+
 def train_run(run_dir, settings, budget, model, seed):
     """train.py in a subprocess until the budget is spent; resumes an interrupted run."""
     out_dir, name = os.path.split(run_dir)
     args = {**settings, "model": model, "seed": seed, "max_gen_tokens": budget, "out_dir": out_dir, "run_name": name}
     if os.path.exists(os.path.join(run_dir, "latest")):
         args["resume"] = "auto"
-    cmd = [sys.executable, os.path.join(ROOT, "train.py")] + [f"--{k}={v}" for k, v in args.items()]
+    flags = [f"--{k}={repo_relative(v)}" for k, v in args.items()]
     os.makedirs(run_dir, exist_ok=True)
     t = time.perf_counter()
     with open(os.path.join(run_dir, "console.log"), "a") as log:
-        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.write(f"\n$ python train.py {' '.join(flags)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             code = proc.wait()
         except BaseException as stop:  # interrupted: train.py finishes its step, checkpoints and exits
@@ -228,6 +237,7 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers
     score_seconds = time.perf_counter() - t
     assigned, leaks = leak_audit(run_dir, answers)
     last = metrics[-1] if metrics else {}
+    settings = {k: repo_relative(v) for k, v in settings.items()}
     result = {"arm": arm, "seed": seed, "settings": settings, "budget": budget,
               "generated_tokens": last.get("generated_tokens", 0), "steps": last.get("step", 0),
               "train_seconds": wall, "score_seconds": score_seconds, "final_checkpoint": os.path.basename(final),
@@ -431,6 +441,8 @@ def main(argv=None):
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     model = tiny_model(out) if args.quick else args.model
+    if os.path.exists(model):  # a local folder named from this shell's folder; train.py runs in the repo's
+        model = os.path.abspath(model)
     seeds = [int(s) for s in args.seeds.split(",")]
     scorer = Scorer(backend, args.k, args.temperature, shared["max_tokens"])
     plans = {}  # task -> (task, test problems, training answers, budget, arms)

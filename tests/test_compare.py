@@ -47,6 +47,15 @@ def test_drop_checkpoints_removes_checkpoints_and_both_kinds_of_pointer(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["result.json"]
 
 
+def test_repo_relative_paths_name_no_machine_folder():
+    root = compare.ROOT
+    assert compare.repo_relative(os.path.join(root, "data", "fictional", "facts.txt")) == "data/fictional/facts.txt"
+    assert compare.repo_relative(root + "-elsewhere/x.txt") == root + "-elsewhere/x.txt"  # a prefix is not a parent
+    assert compare.repo_relative("/tmp/x.jsonl") == "/tmp/x.jsonl"
+    assert compare.repo_relative("smollm2-135m") == "smollm2-135m"
+    assert compare.repo_relative(0.6) == 0.6
+
+
 def test_bootstrap_interval_properties():
     assert compare.bootstrap_ci([0.1, 0.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.1))
     diffs = [0.0, 0.1, 0.3]
