@@ -376,8 +376,9 @@ def tiny_model(out):
     return path
 
 
-def run_all(out, plans, seeds, shared, model, scorer):
-    """Train and score every run not finished yet (a run is finished once its result.json exists).
+def run_all(out, plans, seeds, shared, model, scorer, keep_checkpoints=False):
+    """Train and score every run not finished yet (a run is finished once its result.json exists);
+    a scored run's checkpoints are deleted unless keep_checkpoints.
     Seed-major order: a comparison cut short has every arm of the first seeds, not every seed of
     the first arms."""
     for seed in seeds:
@@ -390,6 +391,8 @@ def run_all(out, plans, seeds, shared, model, scorer):
                 settings = arm_settings(arm, task, shared)
                 seconds = train_run(run_dir, settings, budget, model, seed)
                 r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
+                if not keep_checkpoints:
+                    drop_checkpoints(run_dir)
                 greedy = r["test"]["final"]["overall"]["greedy"]
                 print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
                       f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {greedy:.3f}", flush=True)
@@ -459,36 +462,12 @@ def main(argv=None):
             os.makedirs(os.path.join(out, task_name), exist_ok=True)
             untrained_result(os.path.join(out, task_name, "untrained.json"), scorer, resolve_model(model),
                              plans[task_name][1])
-    # seed-major order: a comparison cut short has every arm of the first seeds, not every seed of the first arms
-    for seed in [] if args.report_only else seeds:
-        for task_name, (task, test, answers, budget, arms) in plans.items():
-            for arm in arms:
-                run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
-                if not os.path.exists(os.path.join(run_dir, "result.json")):
-                    print(f"{task_name} / {arm} / seed {seed}: training to {budget:,} generated tokens", flush=True)
-                    settings = arm_settings(arm, task, shared)
-                    seconds = train_run(run_dir, settings, budget, model, seed)
-                    r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
-                    if not args.keep_checkpoints:
-                        drop_checkpoints(run_dir)
-                    greedy = r["test"]["final"]["overall"]["greedy"]
-                    print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
-                          f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {greedy:.3f}", flush=True)
-    all_results = {}
-    for task_name, (task, test, answers, budget, arms) in plans.items():
-        all_results[task_name] = {}
-        untrained = os.path.join(out, task_name, "untrained.json")
-        if os.path.exists(untrained):
-            all_results[task_name]["untrained"] = [json.load(open(untrained))]
-        for arm in arms:
-            for seed in seeds:
-                done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
-                if os.path.exists(done):
-                    all_results[task_name].setdefault(arm, []).append(json.load(open(done)))
+    if not args.report_only:
+        run_all(out, plans, seeds, shared, model, scorer, args.keep_checkpoints)
     given = argv if argv is not None else sys.argv[1:]  # the runs' command: --report_only only rewrote this file
     command = "python experiments/compare.py " + " ".join(a for a in given if a not in ("--report_only",
                                                                                       "--keep_checkpoints"))
-    write_report(out, all_results, args.k, command.strip())
+    write_report(out, collect_results(out, plans, seeds), args.k, command.strip())
     print(f"wrote {out}/report.md")
     return 0
 
