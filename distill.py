@@ -13,8 +13,8 @@ Tokens with c_t outside [crm_low, crm_high] (default [0.01, 10], inclusive) get 
 policy-gradient term: they are tokens the template made far more (or less) likely than the plain
 prompt would, i.e. where distillation would push hardest on a context the model will not see.
 Plain rows have weight 1. The weight multiplies the policy-gradient term only, never the KL term
-(as in the reference code). Whether masked tokens still count in the token-mean denominator is
-train.py's `crm_denominator` (reference code: they do).
+(as in the reference code; grpo.policy_loss). Whether masked tokens still count in the token-mean
+denominator is `crm_denominator` (grpo.step_denominators; reference code: they do).
 
 Soft variant (`soft=True`), our choice: an out-of-band token is scaled by how far log c_t lies
 outside the band, w = exp(-dist(log c_t, [log low, log high])), i.e. high / c_t above the band
@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+import dist
 
 
 def distill_row(original_prompt_ids, sample):
@@ -59,32 +61,39 @@ class CrmSums:
         return CrmSums(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
 
 
-def crm_token_weights(loss_mask, plain_logp, tilde_logp, low=0.01, high=10.0, soft=False):
-    """The CRM weights of one padded micro-batch, and their sums.
+def row_crm_weights(plain_logp, tilde_logp, low=0.01, high=10.0, soft=False):
+    """One templated row's CRM weights [n] from its n response tokens' old log-probs under x
+    and under x~, and their sums.
 
-    loss_mask [B, T] bool marks the positions that predict response tokens. plain_logp and
-    tilde_logp hold one entry per row: None for a row without a template (weight 1), else the
-    [n_b] old log-probs of row b's n_b response tokens, in order, under x and under x~.
-    Returns (weights [B, T], CrmSums); positions off the mask get weight 1 (the mask zeroes them).
-
-        loss_mask  = [[T, T, F],             plain_logp = [None, tensor([-0.5, -0.5, -0.5])]
-                      [T, T, T]]             tilde_logp = [None, tensor([-0.5, -9.0, -0.6])]
-        log c (row 1) = [0.0, 8.5, 0.1] -> c = [1.0, 4915, 1.1]; 4915 > 10 is out of band
-        weights    = [[1., 1., 1.],
-                      [1., 0., 1.]]
-        CrmSums(templated_tokens=3, out_of_band_tokens=1, weight_sum=2.0, log_ratio_sum=8.6)
+        plain_logp = tensor([-0.5, -0.5, -0.5]);  tilde_logp = tensor([-0.5, -9.0, -0.6])
+        log c = [0.0, 8.5, 0.1] -> c = [1.0, 4915, 1.1]; 4915 > 10 is out of band
+        -> (tensor([1., 0., 1.]), CrmSums(templated_tokens=3, out_of_band_tokens=1, weight_sum=2.0, log_ratio_sum=8.6))
     """
-    weights = torch.ones(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)  # [B, T]
-    sums = CrmSums()
-    for b, (plain, tilde) in enumerate(zip(plain_logp, tilde_logp)):
-        if plain is None:
-            continue
-        positions = loss_mask[b].nonzero().squeeze(1)  # [n_b]
-        if len(positions) != len(plain) or len(plain) != len(tilde):
-            raise ValueError(f"row {b}: {len(positions)} response positions, {len(plain)} plain and "
-                             f"{len(tilde)} templated log-probs")
-        w, log_c = crm_weights(plain.float(), tilde.float(), low, high, soft)  # [n_b]
-        weights[b, positions] = w.to(weights.device)
-        sums += CrmSums(len(w), int(((log_c < math.log(low)) | (log_c > math.log(high))).sum()),
-                        w.sum().item(), log_c.sum().item())
+    if len(plain_logp) != len(tilde_logp):
+        raise ValueError(f"{len(plain_logp)} plain and {len(tilde_logp)} templated log-probs")
+    w, log_c = crm_weights(plain_logp.float(), tilde_logp.float(), low, high, soft)  # [n]
+    out_of_band = int(((log_c < math.log(low)) | (log_c > math.log(high))).sum())
+    return w, CrmSums(len(w), out_of_band, w.sum().item(), log_c.sum().item())
+
+
+def crm_pass(rows, old_logprobs, chunk_size, low=0.01, high=10.0, soft=False):
+    """The CRM weights of every templated row of a step, from the pre-update weights.
+
+    rows: training rows (prompt_ids = x, response_ids, tilde_prompt_ids = x~ or None for a row
+    without a template). old_logprobs(prompts, responses) -> one [len(response)] tensor of no-grad
+    log-probs per row (train.py's forward). Each chunk of `chunk_size` templated rows is one
+    call holding the rows under x, then under x~. Returns (weights, CrmSums): weights[i] is row
+    i's [n_i] tensor, None for a plain row; the sums cover every templated row given, so pass all
+    the step's rows, also those of groups that will not be forwarded (the kept denominator and
+    the logged masked fraction count them)."""
+    templated = [i for i, r in enumerate(rows) if r.tilde_prompt_ids is not None]
+    chunks = [templated[s:s + chunk_size] for s in range(0, len(templated), chunk_size)]
+    weights, sums = [None] * len(rows), CrmSums()
+    for c in range(dist.all_max(len(chunks))):  # FSDP lock-step: every rank runs as many forwards (an empty one too)
+        chunk = chunks[c] if c < len(chunks) else []
+        prompts = [rows[i].prompt_ids for i in chunk] + [rows[i].tilde_prompt_ids for i in chunk]
+        both = old_logprobs(prompts, [rows[i].response_ids for i in chunk] * 2)
+        for q, i in enumerate(chunk):
+            weights[i], row_sums = row_crm_weights(both[q], both[len(chunk) + q], low, high, soft)
+            sums += row_sums
     return weights, sums

@@ -116,13 +116,6 @@ def summarize_records(records, k):
     return summarize(records, [r["sampled"] for r in records], k), rows
 
 
-def evaluate(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
-             prompt_format="default"):
-    """answer_records + summarize_records: (overall row, {source: row}, records)."""
-    records = answer_records(engine, problems, k, temperature, top_p, max_tokens, progress, seed, prompt_format)
-    return (*summarize_records(records, k), records)
-
-
 def format_table(rows):
     """Rows {name: {column: value}} -> an aligned text table (columns from the first row)."""
     columns = list(next(iter(rows.values())).keys())

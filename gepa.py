@@ -17,7 +17,7 @@ The search is pure logic around two callables, so it can be read and tested alon
 `cfg` everywhere is train.Config (duck-typed, never imported here); only its GEPA and guard
 fields are read: gepa_budget, gepa_auto, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
 gepa_max_iterations, max_template_chars, template_max_growth, guard_copy_words,
-reflect_answer_chars, bare_rollout.
+reflect_answer_chars, and for the assignment group_size (K), same_template_per_group, bare_rollout.
 
 Human-Ref: `run_gepa(..., seeds=[...])` starts the pool with given templates beside the empty
 one (train.py reads them from --seed_templates); they are scored on dev, selected, covered and
@@ -56,13 +56,6 @@ DELIM_OPEN, DELIM_CLOSE = "<template>", "</template>"
 
 
 @dataclass
-class HardItem:  # any object with these fields works (train.py passes data.Problem rows)
-    id: str
-    problem: str
-    answer: str
-
-
-@dataclass
 class GepaResult:
     pool: list  # templates; 0 is the empty seed
     parents: list  # parent index of each template (-1 for the seed): the lineage
@@ -83,7 +76,18 @@ class GepaResult:
                 "assignment": self.assignment, "log": self.log, "metric_calls": self.metric_calls,
                 "budget": self.budget, "reflection_calls": self.reflection_calls,
                 "rejections": dict(self.rejections),
-                "best_dev_score": max((sum(r) / max(1, len(r)) for r in self.scores), default=0.0)}
+                "best_dev_score": self.best_dev_score()}
+
+    def best_dev_score(self):
+        return max((sum(r) / max(1, len(r)) for r in self.scores), default=0.0)
+
+    def summary(self):
+        """The round in one line of numbers (train.py's GEPA summary and LoopState.gepa_history)."""
+        return {"pool": len(self.pool), "accepted": sum(e["outcome"] == "accepted" for e in self.log),
+                "proposals": sum(e["outcome"] != "skipped_all_correct" for e in self.log),
+                "rejections": dict(self.rejections), "best_dev_score": self.best_dev_score(),
+                "chosen": len(self.chosen), "assigned": len(self.assignment), "metric_calls": self.metric_calls,
+                "budget": self.budget}
 
 
 # ----------------------------------------------------------------------------- selection
@@ -394,9 +398,9 @@ def guard(text, finished, parent, pool, minibatch, cfg):
 # ----------------------------------------------------------------------------- the search
 
 
-def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, progress=None,
-             reward_fn=None, seeds=()):
-    """Evolve templates for the hard items; return the pool, scores, lineage and assignment.
+def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=None, seeds=()):
+    """Evolve templates for the hard items; return the pool, scores, lineage and assignment
+    (cfg.group_size templates per hard item; one for the whole group with cfg.same_template_per_group).
     reward_fn(response, item) -> 0/1 scores an answer (default: verify.check against item.answer).
     seeds: given templates (Human-Ref) that start the pool beside the empty one; each is scored
     on the dev items like any candidate, and the metric calls count."""
@@ -472,5 +476,6 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, k=6, same_for_group=False, p
             progress(res)
     res.chosen = greedy_set_cover(res.scores)
     res.assignment = assign_templates(res.pool, res.scores, res.chosen, res.dev_ids,
-                                      res.train_ids, k, rng, same_for_group, bare=cfg.bare_rollout)
+                                      res.train_ids, cfg.group_size, rng, cfg.same_template_per_group,
+                                      bare=cfg.bare_rollout)
     return res

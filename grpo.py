@@ -8,17 +8,19 @@ Shapes: G groups (prompts) of K rollouts; B = G·K rows; T = response positions 
 Standard deviation convention: UNBIASED (divide by K - 1), as torch.std and the verl/TRL GRPO
 implementations; pinned by tests/test_grpo.py. An all-equal group gets advantage 0 everywhere.
 
-Loss of one optimizer step (PPO-clip, per token t of row i, advantage A_i):
+Loss of one optimizer step (`policy_loss`, per token t of row i, advantage A_i):
     rho_t  = exp(clamp(logp_new - logp_old, -20, 20))
     l_t    = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high))       (eps_high = 0.28: DAPO clip-higher)
     dual clip (A < 0 only, c > 1): l_t = min(l_t, -A c)
-    + beta * k3(logp_new, logp_ref)                                         (beta = 0 by default)
+    w_t    = crm_t * min(exp(logp_old - logp_sampler), C)                     (CRM weight x TIS; 1 when off)
+    loss   = agg(w l) + beta * agg(k3(logp_new, logp_ref))                   (beta = 0 by default)
 Aggregation over the WHOLE step (all gradient-accumulation micro-batches together):
-    token-mean               sum_i,t w l / N_tokens(step)                  (DAPO, P²O; default)
+    token-mean               sum_i,t w l / D                               (DAPO, P²O; default)
     seq-mean-token-mean      mean_i [ sum_t w l / n_tokens(i) ]           (original GRPO)
     seq-mean-token-sum-norm  sum_i,t w l / (N_rows(step) * L_max)          (Dr. GRPO)
-`w` is an optional per-token weight (the P²O Context Ratio Mask plugs in here); the
-denominators count the valid tokens whatever their weight.
+D counts the step's response tokens whatever their weight (the reference code), or, with
+crm_denominator=kept, their CRM weight mass (`step_denominators`). The KL term is never
+weighted and always divides by the token count.
 
 With one update per rollout batch the old policy IS the current one: rho = 1 at evaluation, the
 loss value is -mean(A) (about 0), and its gradient is exactly the policy gradient
@@ -96,7 +98,92 @@ def aggregate(token_loss, mask, mode, step_tokens, step_rows, max_len=None, weig
         if not max_len:
             raise ValueError("seq-mean-token-sum-norm needs max_len (the generation length cap)")
         return (token_loss * w).sum() / (step_rows * max_len)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+    raise ValueError(f"unknown loss aggregation {mode!r} (one of {', '.join(LOSS_AGGS)})")
+
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class Denominators:
+    """The normalisers of one optimizer step: sums over ALL its rows (every micro-batch, every rank)."""
+    tokens: float  # response tokens of the step's rows (forwarded or not)
+    rows: int  # rows of the step
+    pg: float  # the policy-gradient term's token-mean denominator: `tokens`, or (crm_denominator=kept) the weight mass
+
+
+def step_denominators(tokens, rows, crm_templated_tokens=0, crm_weight_sum=0.0, crm_denominator="all"):
+    """all: masked tokens still count (the reference code). kept: a templated token counts its CRM
+    weight (0 masked, < 1 soft-masked), a plain token 1, so D = tokens - templated + sum(w).
+    The CRM sums must cover EVERY templated row of the step, forwarded or not: a skipped group
+    (all-zero advantages) still has its tokens in `tokens`.
+
+        step_denominators(66, 12, crm_templated_tokens=30, crm_weight_sum=23.0, crm_denominator="kept")
+        -> Denominators(tokens=66, rows=12, pg=59.0)
+    """
+    if crm_denominator not in ("all", "kept"):
+        raise ValueError(f"crm_denominator must be 'all' or 'kept', got {crm_denominator!r}")
+    kept = tokens - crm_templated_tokens + crm_weight_sum
+    return Denominators(tokens, rows, max(kept if crm_denominator == "kept" else tokens, 1e-9))
+
+
+def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, eps_high=0.2, dual_clip=0.0,
+                loss_agg="token-mean", max_len=None, crm_weight=None, sampler_logp=None, sampler_mask=None,
+                tis_cap=0.0, ref_logp=None, kl_beta=0.0):
+    """One micro-batch's share of the step loss (summed over the step's micro-batches it is the
+    step loss, whatever the split) and sums for the logs. All tensors [B, T] but advantages [B].
+
+    logp         log-probs under the weights being trained (with grad)
+    old_logp     pi_old's (None: one update per batch, so rho = 1: logp.detach())
+    mask         bool: positions that predict a response token
+    crm_weight   Context Ratio Mask weights (1 on plain rows; None: all 1)
+    sampler_logp the rollout engine's log-probs where sampler_mask is set: the logged mismatch
+                 |log pi_old - log pi_sampler| and, with tis_cap = C > 0, truncated importance
+                 sampling min(pi_old / pi_sampler, C) on the policy-gradient term
+    ref_logp     frozen reference (kl_beta > 0): + kl_beta * agg(k3), every token, never weighted
+
+    Returns (loss, {clipped_tokens, mismatch_tokens, mismatch_abs_sum, mismatch_abs_max[, kl_sum]}).
+    """
+    old_logp = logp.detach() if old_logp is None else old_logp
+    pg, clipped = ppo_clip_token_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    weight = crm_weight
+    sums = {"clipped_tokens": (clipped & mask).sum().item(), "mismatch_tokens": 0, "mismatch_abs_sum": 0.0,
+            "mismatch_abs_max": 0.0}
+    if sampler_logp is not None:
+        mismatch = (old_logp - sampler_logp)[sampler_mask]  # [n] trainer vs rollout engine, same context
+        sums.update(mismatch_tokens=mismatch.numel(), mismatch_abs_sum=mismatch.abs().sum().item(),
+                    mismatch_abs_max=mismatch.abs().max().item() if mismatch.numel() else 0.0)
+        if tis_cap > 0:  # the rollouts came from the engine, not from pi_old
+            tis = torch.where(sampler_mask, (old_logp - sampler_logp).exp().clamp(max=tis_cap), 1.0)
+            weight = tis if weight is None else weight * tis
+    m = mask.to(logp.dtype)
+    loss = aggregate(pg, m, loss_agg, denominators.pg, denominators.rows, max_len, weight)
+    if ref_logp is not None and kl_beta > 0:
+        kl = k3_kl(logp, ref_logp)  # [B, T]
+        loss = loss + kl_beta * aggregate(kl, m, loss_agg, denominators.tokens, denominators.rows, max_len)
+        sums["kl_sum"] = (kl.detach() * m).sum().item()
+    return loss, sums
+
+
+def scatter_rows(values, mask, fill=0.0):
+    """Per-row 1-D values onto the response positions of a padded batch: ([B, T] float, [B, T] bool
+    where a row had values). values[b] is None (left at `fill`) or holds one entry per set
+    position of mask[b], in order.
+
+        scatter_rows([[-0.5, -0.1], None], tensor([[F, T, T], [T, T, F]]))
+        -> ([[0., -0.5, -0.1], [0., 0., 0.]], [[F, T, T], [F, F, F]])
+    """
+    out = torch.full(mask.shape, fill, dtype=torch.float32, device=mask.device)
+    known = torch.zeros_like(mask)
+    for b, row in enumerate(values):
+        if row is None:
+            continue
+        positions = mask[b].nonzero().squeeze(1)  # [n_b]
+        if len(positions) != len(row):
+            raise ValueError(f"row {b}: {len(positions)} response positions, {len(row)} values")
+        out[b, positions] = torch.as_tensor(row, dtype=torch.float32, device=mask.device)
+        known[b, positions] = True
+    return out, known
 
 
 def make_batch(prompts, responses, pad_id):
@@ -127,7 +214,7 @@ def make_batch(prompts, responses, pad_id):
 class Packed:
     """Rows that share a prompt, packed as one sequence: the prompt once, then each response."""
     input_ids: torch.Tensor  # [S, Lp] one sequence per distinct prompt, right-padded
-    attention: torch.Tensor  # [S, 1, Lp, Lp] bool: query i sees key j (a 4D mask, used as is)
+    attention: torch.Tensor  # [S, 1, Lp, Lp] bool: query i sees key j (`attention_mask_for` turns it into the model's)
     position_ids: torch.Tensor  # [S, Lp] every response continues its prompt's positions
     index: torch.Tensor  # [N] flat positions in [S * Lp] that predict the rows' response tokens
 
@@ -179,3 +266,22 @@ def pack_rows(prompts, responses, pad_id):
     attention = causal & ((kv == -1) | (q == kv))  # [S, Lp, Lp]
     index = torch.tensor([j for i in range(len(prompts)) for j in predictor[i]], dtype=torch.long)
     return Packed(input_ids, attention.unsqueeze(1), position_ids, index)
+
+
+PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations pack_rows' 4D mask is exact under
+
+
+def attention_mask_for(allowed, implementation):
+    """pack_rows' boolean [S, 1, Lp, Lp] mask as `implementation` reads a 4D attention mask.
+    transformers hands a 4D mask to the attention function unchanged: sdpa takes a boolean
+    as "True = attend", but eager attention ADDS its mask to the scores, so a boolean would add
+    1 or 0 and let every token see every other. Eager gets 0 where allowed and the float32
+    minimum elsewhere. flash-attention kernels take no 4D mask at all, flex_attention a BlockMask:
+    refused (train.py checks this before training)."""
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min)
+    raise ValueError(f"shared-prompt packing needs attn_implementation {' or '.join(PACKED_ATTENTION)}, the model "
+                     f"uses {implementation!r}: load it with one of those, or set --shared_prompt=False")

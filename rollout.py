@@ -19,8 +19,11 @@ whose last message is an assistant turn is a prefill that the answer continues.
 that was actually sampled from, i.e. after temperature and top-p (vLLM "processed_logprobs",
 HF generate's processed scores); for greedy decoding that is the raw model distribution.
 
-`OpenAIReflector` is a third generator, for GEPA's reflections only (Teacher-Ref): a model behind
-an OpenAI-compatible chat API (vLLM's own server, or any hosted model), reached over HTTP.
+GEPA's reflectors share one interface, `reflect(prompts) -> [(text, finished) | None, ...]`:
+`EngineReflector` on an engine above (the current policy, the frozen starting weights swapped in,
+or another local model) and `OpenAIReflector`, a model behind an OpenAI-compatible chat API
+(vLLM's own server, or any hosted model) reached over HTTP. A test's scripted reflector is one
+more object with that method.
 
 The vLLM engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `push_weights`
 can hand tensors to its worker without serialising them. Pushes are verified by comparing float64
@@ -34,6 +37,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -338,6 +342,46 @@ def make_rollout(backend, model_path, **kwargs):
     raise ValueError(f"unknown rollout backend {backend!r} (vllm | hf)")
 
 
+class EngineReflector:
+    """GEPA's reflector on a rollout engine (Self-Ref, Policy-Ref, or a local Teacher-Ref).
+
+        reflector = EngineReflector(engine, temperature=0.8, max_tokens=120, seed=0, counts=run_counts)
+        reflector.reflect([meta_prompt, ...]) -> [("<template>Multiply first.</template>", True), ...]
+
+    `engine` answers as it is (the training engine: the current policy; another model's
+    engine: a teacher), or, with `swap` (a state dict, e.g. the frozen starting weights), holds
+    `swap` for the call and `restore` (the policy's state dict) again after it, even when the
+    call fails. The answer is prefilled with the opening delimiter and stops at the closing one:
+    a small reflector rarely writes the delimiters by itself; `finished` is False when the reply
+    ran out of tokens first. Seeds: self.seed for a call, advanced by its number of prompts.
+    Generated tokens are policy compute: counts["reflection_tokens"]."""
+
+    def __init__(self, engine, temperature=0.8, max_tokens=120, seed=0, counts=None, swap=None, restore=None):
+        if (swap is None) != (restore is None):
+            raise ValueError("swap and restore go together: the weights to reflect with and those to put back")
+        self.engine, self.temperature, self.max_tokens, self.seed = engine, temperature, max_tokens, seed
+        self.counts = Counter() if counts is None else counts
+        self.swap, self.restore = swap, restore
+
+    def reflect(self, prompts):
+        from gepa import DELIM_CLOSE, DELIM_OPEN  # the delimiters the guards parse
+
+        # a copy: when the engine shares the policy's tensors (HF backend), the swap overwrites them
+        current = {k: v.detach().clone() for k, v in self.restore.items()} if self.swap is not None else None
+        if self.swap is not None:
+            self.engine.push_weights(self.swap)
+        try:
+            out = self.engine.generate(
+                [[{"role": "user", "content": p}, {"role": "assistant", "content": DELIM_OPEN}] for p in prompts],
+                n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed, stop=[DELIM_CLOSE])
+        finally:
+            if self.swap is not None:
+                self.engine.push_weights(current)
+        self.seed += len(prompts)
+        self.counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
+        return [(DELIM_OPEN + g[0].text, g[0].finish_reason == "stop") for g in out]
+
+
 class ReflectorError(RuntimeError):
     """The reflector server cannot be used at all (unreachable, or not an OpenAI-compatible API)."""
 
@@ -345,9 +389,11 @@ class ReflectorError(RuntimeError):
 class OpenAIReflector:
     """A reflector behind an OpenAI-compatible /chat/completions API (Teacher-Ref).
 
-        teacher = OpenAIReflector("http://localhost:8000/v1", model="", api_key_env="OPENAI_API_KEY")
-        teacher.reflect([meta_prompt, ...], temperature=0.8, max_tokens=120, seed=0)
-        -> [(text, finished) or None, ...], with teacher.calls, .failures, .tokens updated
+        teacher = OpenAIReflector("http://localhost:8000/v1", model="", api_key_env="OPENAI_API_KEY",
+                                  temperature=0.8, max_tokens=120, seed=0, counts=run_counts)
+        teacher.reflect([meta_prompt, ...])
+        -> [(text, finished) or None, ...], with teacher.calls, .failures, .tokens updated and
+           counts["teacher_failures"], counts["teacher_tokens"] (cost, not policy compute)
 
     The constructor asks the server for its models (/models) and raises ReflectorError with the
     reason when it is unreachable or answers something else; model '' takes the first model it
@@ -359,9 +405,11 @@ class OpenAIReflector:
     `api_key_env` and only ever sent in the Authorization header."""
 
     def __init__(self, base_url, model="", api_key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
-                 workers=4):
+                 workers=4, temperature=0.8, max_tokens=120, seed=0, counts=None):
         self.base_url, self.timeout, self.retries, self.backoff = base_url.rstrip("/"), timeout, retries, backoff
         self._key, self.workers = os.environ.get(api_key_env, ""), workers
+        self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
+        self.counts = Counter() if counts is None else counts
         self.calls = self.failures = self.tokens = 0
         try:
             served = [m["id"] for m in self._request("/models")["data"]]
@@ -405,11 +453,16 @@ class OpenAIReflector:
                 time.sleep(self.backoff * 2 ** attempt)
         return None
 
-    def reflect(self, prompts, temperature, max_tokens, seed=0):
+    def reflect(self, prompts):
+        """Prompt i of this call is sampled with seed self.seed + i; the next call continues after them."""
+        seed, self.seed = self.seed, self.seed + len(prompts)
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            done = list(pool.map(lambda ip: self._complete(ip[1], temperature, max_tokens, seed + ip[0]),
+            done = list(pool.map(lambda ip: self._complete(ip[1], self.temperature, self.max_tokens, seed + ip[0]),
                                  enumerate(prompts)))
+        failures, tokens = sum(d is None for d in done), sum(d[2] for d in done if d is not None)
         self.calls += len(prompts)
-        self.failures += sum(d is None for d in done)
-        self.tokens += sum(d[2] for d in done if d is not None)
+        self.failures += failures
+        self.tokens += tokens
+        self.counts["teacher_failures"] += failures
+        self.counts["teacher_tokens"] += tokens
         return [None if d is None else d[:2] for d in done]

@@ -63,7 +63,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
                 policy.save_pretrained(tmp, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
                 torch.save(trainer, os.path.join(tmp, "trainer.pt"))
-        point(run_dir, "latest", step)
+        link_checkpoint(run_dir, "latest", step)
         return path
     weights = dist.full_state_dict(policy)
     own_file = f"rank-{dist.rank()}.pt"
@@ -86,7 +86,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
             torch.save(trainer, os.path.join(tmp, "trainer.pt"))
             os.rename(tmp, path)
     if dist.is_main():
-        point(run_dir, "latest", step)
+        link_checkpoint(run_dir, "latest", step)
     dist.barrier()
     return path
 
@@ -117,10 +117,11 @@ def load_rank_state(path, rank):
         raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
 
 
-def point(run_dir, pointer, step):
-    """Make `pointer` (latest, best) a relative symlink to ckpt-<step>, atomically (a new link
-    renamed over the old one): runs/<run>/latest is a model folder wherever a path is taken."""
-    path = os.path.join(run_dir, pointer)
+def link_checkpoint(run_dir, link, step):
+    """Make run_dir/<link> (latest, best) a relative symlink to the checkpoint ckpt-<step>,
+    atomically (a new link renamed over the old one): runs/<run>/latest is a model folder
+    wherever a path is taken."""
+    path = os.path.join(run_dir, link)
     tmp = f"{path}.tmp-{os.getpid()}"
     if os.path.lexists(tmp):
         os.remove(tmp)
@@ -212,7 +213,7 @@ def start_branch(run_dir, step, epoch, resumed_from):
         if target is not None and checkpoint_step(target) not in kept:
             os.remove(os.path.join(run_dir, name))
             if name == "latest" and kept:  # --resume=auto must still find this branch's newest
-                point(run_dir, "latest", max(kept))
+                link_checkpoint(run_dir, "latest", max(kept))
     for name in LOG_FILES:
         path = os.path.join(run_dir, name)
         if not os.path.isfile(path):
@@ -288,6 +289,19 @@ class RunLog:
         self.scalars("dev", overall, step)
         with open(os.path.join(self.run_dir, "dev.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **overall}) + "\n")
+
+    def gepa(self, epoch, step, hard, result=None):
+        """An epoch's end under P²O: the hard-set size, and a GEPA round's archive (written
+        atomically: gepa-epoch-N.json) and acceptance scalars when one ran (`result`)."""
+        self.writer.add_scalar("p2o/hard_set_size", hard, step)
+        if result is None:
+            return
+        archive = result.to_json()
+        write_atomic(os.path.join(self.run_dir, f"gepa-epoch-{epoch}.json"),
+                     lambda tmp: json.dump(archive, open(tmp, "w"), indent=1))
+        summary = result.summary()
+        self.writer.add_scalar("p2o/gepa_acceptance_rate", summary["accepted"] / max(1, summary["proposals"]), step)
+        self.writer.add_scalar("p2o/gepa_best_dev_score", summary["best_dev_score"], step)
 
     def dev_records(self):
         path = os.path.join(self.run_dir, "dev.jsonl")

@@ -12,21 +12,26 @@
     python train.py --adv_norm=none --loss_agg=seq-mean-token-sum-norm   # Dr. GRPO
     python train.py --kl_beta=0.01                   # k3 KL to the frozen initial policy
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
-    torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; README "GPUs")
+    torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; docs/GPU.md)
 
 Every setting lives in `Config` below; `--key=value` overrides it (types are checked, unknown
-keys are an error). The method, its formulas and our defaults are in docs/METHOD.md. One step:
+keys and values out of range are errors before anything loads). The method, its formulas and
+our defaults are in docs/METHOD.md. One step (`train_step`), readable in this file, grpo.py and
+distill.py:
 
     collect_groups   B prompts -> K rollouts each (vLLM; a prompt that was hard last epoch gets
                      one GEPA template per rollout) -> rewards -> hard-prompt mining (-> DAPO refill)
-    training_rows    group advantages; templated rollouts re-built under the original prompt
-                     (context distillation)
-    policy_update    old / reference / CRM log-probs, PPO-clip loss over the whole step in
-                     micro-batches, AdamW
+    training_rows    group advantages (grpo.group_advantages); templated rollouts re-built under
+                     the original prompt (context distillation, distill.distill_row)
+    policy_update    CRM weights of every templated row (distill.crm_pass), old / reference
+                     log-probs (pre_update_pass), then per micro-batch the loss of grpo.policy_loss
+                     over the whole step's denominators (grpo.step_denominators), AdamW
     push_weights     the new weights into the rollout engine (verified)
     step_metrics     -> RunLog (runs.py): TensorBoard, metrics.jsonl, rollouts.jsonl
-and at an epoch's end `end_of_epoch`: GEPA evolves templates for that epoch's hard prompts
-(gepa.py) and assigns K of them to each. Epoch 0 is plain GRPO.
+and when the step's prompts used up an epoch, `end_epoch`: GEPA evolves templates for that
+epoch's hard prompts (gepa.py; the reflector is one of rollout.py's) and assigns K of them to
+each. Epoch 0 is plain GRPO. A step never mixes two epochs: the last step of an epoch whose size
+is not a multiple of B is short (docs/METHOD.md "Epochs").
 
 Outputs go to out_dir/run_name: tb/ (TensorBoard), metrics.jsonl (one line per step),
 rollouts.jsonl (a sample of groups), dev.jsonl, checkpoints (ckpt-NNNNNN/ = an HF model folder
@@ -34,10 +39,11 @@ that eval.py and vLLM load unchanged, plus trainer.pt; `latest` names the newest
 gepa-epoch-N.json (templates, lineage, dev score matrix, acceptance log, assignment), curves.png.
 
 One process, or `torchrun --nproc_per_node=N train.py ...` for every GPU of a node (see train()
-and dist.py; README "GPUs"). Simplifications, on purpose: the reference model exists only when
-kl_beta > 0 (and is not sharded); groups whose advantages are all zero are not forwarded when kl_beta == 0 (their
-gradient is exactly zero) but their tokens still count in the token-mean denominator, as in
-the reference implementation; policy entropy is measured on the rows that were forwarded.
+and dist.py; docs/GPU.md). Simplifications, on purpose: the reference model exists only when
+kl_beta > 0 (and is not sharded); groups whose advantages are all zero are not forwarded when
+kl_beta == 0 (their gradient is exactly zero) but their tokens still count in the token-mean
+denominator, as in the reference implementation; policy entropy is measured on the rows that
+were forwarded.
 """
 
 import contextlib
@@ -70,9 +76,9 @@ from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model
 from plot import plot_run
 from prompts import FORMATS, problem_messages
-from rollout import HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
-from runs import (RunLog, load_rank_state, load_trainer_state, point, prune_checkpoints, resolve_resume,
-                  route_library_logs, save_checkpoint, start_branch, write_atomic)
+from rollout import EngineReflector, HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
+from runs import (RunLog, link_checkpoint, load_rank_state, load_trainer_state, prune_checkpoints, resolve_resume,
+                  route_library_logs, save_checkpoint, start_branch)
 from verify import reward as verify_reward
 
 
@@ -82,8 +88,6 @@ class Config:
     model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
     train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
     dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
-    dev_holdout: int = 0  # > 0: hold this many train problems out (seeded) as the dev set instead (official code: 500)
-    prompt_format: str = "default"  # default: problem + boxed instruction (+ few-shot for built-in rows) | official: the P²O code's
     chat_template_kwargs: str = ""  # JSON for the chat template, e.g. '{"enable_thinking": false}' (Qwen3 non-thinking)
     device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
     backend: str = "vllm"  # rollout engine: vllm | hf
@@ -132,15 +136,18 @@ class Config:
     reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
     reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
-    bare_rollout: bool = False  # one of a templated prompt's K rollouts without a template (official left_1_no_template_rollout)
-    drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
-    gepa_auto: str = ""  # official budget preset light|medium|heavy|heavy_2|heavy_3|heavy_4|heavy_16, sized by the round's dev set ('' = gepa_budget)
     seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
     context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
     crm: bool = True  # Context Ratio Mask on templated rows (False: ablation)
     crm_low: float = 0.01  # tokens with c_t < crm_low are masked
     crm_high: float = 10.0  # tokens with c_t > crm_high are masked
     crm_soft: bool = False  # scale out-of-band tokens by high/c_t (above) or c_t/low (below) instead of zeroing
+    # ---- reference-code parity (zlkqz/P2O; our defaults and the reasons: docs/METHOD.md)
+    prompt_format: str = "default"  # default: problem + boxed instruction (+ few-shot for built-in rows) | official: the P²O code's
+    dev_holdout: int = 0  # > 0: hold this many train problems out (seeded) as the dev set instead (official code: 500)
+    gepa_auto: str = ""  # official budget preset light|medium|heavy|heavy_2|heavy_3|heavy_4|heavy_16, sized by the round's dev set ('' = gepa_budget)
+    bare_rollout: bool = False  # one of a templated prompt's K rollouts without a template (official left_1_no_template_rollout)
+    drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
     crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
     # ---- optimisation
     lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
@@ -214,24 +221,64 @@ def config_help():
     return "\n".join(lines)
 
 
+# Every enumerated and bounded setting, checked by check_config before anything loads.
+CHOICES = {
+    "device": ("auto", "cpu", "cuda"), "backend": ("vllm", "hf"), "reflector_backend": ("hf", "vllm"),
+    "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo"),
+    "adv_norm": ("group", "none"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
+    "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
+}
+AT_LEAST = {  # setting -> smallest allowed value
+    "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
+    "max_refills": 0, "eps_low": 0.0, "eps_high": 0.0, "dual_clip": 0.0, "kl_beta": 0.0, "ppo_epochs": 1,
+    "mini_batches": 1, "tis_cap": 0.0, "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1,
+    "gepa_parents": 1, "gepa_minibatch": 1, "gepa_max_iterations": 1, "max_template_chars": 1,
+    "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
+    "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
+    "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
+    "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
+    "keep_checkpoints": 0, "log_rollouts": 0,
+}
+POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
+            "reflector_timeout")  # > 0
+BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2")  # < 1
+AT_MOST_ONE = ("top_p", "gpu_memory_utilization")  # <= 1
+
+
 def check_config(cfg):
+    """Every setting's value, before any model loads: one line naming the flag, no traceback."""
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise SystemExit(f"--{name} is one of {' | '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
+    for name, low in AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            raise SystemExit(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
+    for names, bad, rule in ((POSITIVE, lambda v: v <= 0, "> 0"), (BELOW_ONE, lambda v: v >= 1, "< 1"),
+                             (AT_MOST_ONE, lambda v: v > 1, "<= 1")):
+        for name in names:
+            if bad(getattr(cfg, name)):
+                raise SystemExit(f"--{name} must be {rule}, got {getattr(cfg, name)}")
+    if 0 < cfg.dual_clip <= 1:
+        raise SystemExit(f"--dual_clip is 0 (off) or > 1, got {cfg.dual_clip}")
+    if cfg.crm_low >= cfg.crm_high:
+        raise SystemExit(f"--crm_low ({cfg.crm_low}) must be below --crm_high ({cfg.crm_high})")
+    if cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean":
+        raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
+    if not cfg.reflector:
+        raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)
     pick_device(cfg.device)
-    if cfg.prompt_format not in FORMATS:
-        raise SystemExit(f"--prompt_format is one of {FORMATS}, got {cfg.prompt_format!r}")
-    if cfg.algo not in ("p2o", "grpo"):
-        raise SystemExit(f"--algo must be p2o or grpo, got {cfg.algo!r}")
-    if cfg.ppo_epochs < 1 or cfg.mini_batches < 1:
-        raise SystemExit("--ppo_epochs and --mini_batches must be >= 1")
     if cfg.seed_templates:
         try:
             gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars)
         except (OSError, ValueError) as e:
             raise SystemExit(f"--seed_templates: {e}") from None
-    if cfg.gepa_auto and cfg.gepa_auto not in gepa.AUTO_CANDIDATES:
-        raise SystemExit(f"--gepa_auto is '' or one of {', '.join(gepa.AUTO_CANDIDATES)}, got {cfg.gepa_auto!r}")
-    if cfg.crm_denominator not in ("all", "kept") or (cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean"):
-        raise SystemExit("--crm_denominator is all | kept, and kept needs --loss_agg=token-mean")
+    if cfg.algo == "p2o":
+        try:  # a budget that cannot pay for one proposal would fail only at the first epoch's end
+            gepa.dev_cap(cfg, len(gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars))
+                         if cfg.seed_templates else 0)
+        except ValueError as e:
+            raise SystemExit(f"--gepa_budget: {e}") from None
 
 
 def chat_template_kwargs(cfg):
@@ -300,7 +347,8 @@ def fields_of(obj):
 class PromptStream:
     """Prompts in a fresh seeded order every epoch, as one endless stream addressed by position
     (prompts handed out so far): `take(position, n)` is a pure function of it, so the loop
-    state holds the only copy of the position and resuming is exact."""
+    state holds the only copy of the position and resuming is exact. A take never crosses an
+    epoch's end: with 10 prompts and n = 4 the steps get 4, 4, 2, then 4 of the next epoch's order."""
 
     def __init__(self, problems, seed):
         self.problems, self.seed = problems, seed
@@ -309,15 +357,15 @@ class PromptStream:
     def epoch_of(self, position):
         return position // len(self.problems)
 
+    def steps_per_epoch(self, n):
+        return -(-len(self.problems) // n)  # the last one short when n does not divide the set
+
     def take(self, position, n):
-        out = []
-        for p in range(position, position + n):
-            epoch, i = divmod(p, len(self.problems))
-            if epoch not in self._order:
-                self._order = {epoch: random.Random(self.seed * 7919 + epoch).sample(
-                    range(len(self.problems)), len(self.problems))}
-            out.append(self.problems[self._order[epoch][i]])
-        return out
+        epoch, start = divmod(position, len(self.problems))
+        if epoch not in self._order:
+            self._order = {epoch: random.Random(self.seed * 7919 + epoch).sample(
+                range(len(self.problems)), len(self.problems))}
+        return [self.problems[i] for i in self._order[epoch][start:start + n]]
 
 
 @dataclass
@@ -354,6 +402,7 @@ class Row:
     tilde_prompt_ids: list | None = None  # x~ of a distilled templated row: its CRM weights are needed
     sampler_logp: list | None = None  # the engine's log-probs of the response, when sampled under prompt_ids
     group: int = 0  # index of its group in the step (mini-batches never split a group)
+    crm_weight: torch.Tensor | None = None  # [len(response_ids)], set by the CRM pass (distill.crm_pass)
 
 
 @dataclass
@@ -363,11 +412,11 @@ class MicroBatch:
     attention: torch.Tensor  # [B, L]
     loss_mask: torch.Tensor  # [B, L-1] bool: position t predicts a response token
     advantages: torch.Tensor  # [B]
-    old_logp: torch.Tensor | None = None  # [B, L-1] (ppo_epochs > 1; else the training forward's own)
+    sampler_logp: torch.Tensor  # [B, L-1] the rollout engine's log-probs (0 where unknown)
+    sampler_mask: torch.Tensor  # [B, L-1] bool: positions where sampler_logp is known
+    crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (1 on plain rows); None: no templated row
+    old_logp: torch.Tensor | None = None  # [B, L-1] (a later optimizer step of the call needs them)
     ref_logp: torch.Tensor | None = None  # [B, L-1] frozen reference (kl_beta > 0)
-    crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (rows with templates)
-    sampler_logp: torch.Tensor | None = None  # [B, L-1] the rollout engine's log-probs (0 where unknown)
-    sampler_mask: torch.Tensor | None = None  # [B, L-1] bool: positions where sampler_logp is known
     dummy: bool = False  # torchrun: a stand-in that keeps this rank's forwards in step (loss x 0)
     packed: grpo.Packed | None = None  # shared_prompt: the same rows with each prompt once, for the forward
 
@@ -383,6 +432,8 @@ def selected_logits(model, input_ids, attention, loss_mask=None, position_ids=No
     """Logits [N, V] at the N positions that predict a response token: where loss_mask [B, L-1]
     is set, or (packed rows, grpo.pack_rows) at the flat positions `index`. The LM head is
     computed there only. Bound to the policy as a method that FSDP treats like forward."""
+    if attention.dim() == 4:  # packed rows: the 4D mask as this model's attention reads it
+        attention = grpo.attention_mask_for(attention, model.config._attn_implementation)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).last_hidden_state
     selected = hidden[:, :-1][loss_mask] if index is None else hidden.flatten(0, 1)[index]
     return model.get_output_embeddings()(selected)
@@ -410,13 +461,15 @@ def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_
 
 def row_logprobs(model, prompts, responses, pad_id, temperature, shared=False):
     """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in);
-    shared: rows with the same prompt forward it once (grpo.pack_rows)."""
+    shared: rows with the same prompt forward it once (grpo.pack_rows). No rows: one stand-in
+    forward all the same (under FSDP every rank must run the same forwards), and []."""
     device = next(model.parameters()).device
-    ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
+    rows = (prompts, responses) if prompts else ([[pad_id]], [[pad_id]])
+    ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(*rows, pad_id))
     mask = response_mask[:, 1:]  # [B, L-1]
-    packed = grpo.pack_rows(prompts, responses, pad_id).to(device) if shared else None
+    packed = grpo.pack_rows(*rows, pad_id).to(device) if shared else None
     logp, _ = response_logprobs(model, ids, attention, mask, temperature, packed=packed)
-    return [row[m] for row, m in zip(logp, mask)]
+    return [row[m] for row, m in zip(logp, mask)] if prompts else []
 
 
 # ----------------------------------------------------------------------------- one step
@@ -442,15 +495,17 @@ def generate_groups(engine, problems, assignment, cfg, seed):
 
 def collect_groups(engine, stream, state, cfg, reward_fn):
     """This step's groups: generate, score, mine hard prompts (judged on the rollouts they
-    actually got, templated ones included); DAPO refills while groups carry no signal.
+    actually got, templated ones included); DAPO refills while groups carry no signal. Prompts
+    come from one epoch only: the epoch's last step may be short, and a refill stops at its end.
     Under torchrun each rank generates and scores its share of the prompts (dist.split) with
     its own engine and seed; the shares are then gathered, so every rank holds all groups in
     order and mines, refills and counts exactly as one process would.
     Returns (groups, {"refills", "generate", "score"}); advances state.consumed."""
     groups, info, need = [], {"refills": 0, "generate": 0.0, "score": 0.0}, cfg.prompts_per_step
+    epoch = stream.epoch_of(state.consumed)
     while True:
         problems = stream.take(state.consumed, need)
-        state.consumed += need
+        state.consumed += len(problems)
         t = time.perf_counter()
         seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000 + dist.rank()  # exact resume
         local = generate_groups(engine, dist.split(problems, dist.rank(), dist.world()), state.assignment, cfg, seed)
@@ -469,7 +524,7 @@ def collect_groups(engine, stream, state, cfg, reward_fn):
             return new, info
         groups += [g for g in new if len(set(g.rewards)) > 1][:need]  # DAPO: keep varied groups
         need = cfg.prompts_per_step - len(groups)
-        if need <= 0 or info["refills"] >= cfg.max_refills:
+        if need <= 0 or info["refills"] >= cfg.max_refills or stream.epoch_of(state.consumed) > epoch:
             return groups or new, info  # nothing varied at all: an update of zero
         info["refills"] += 1
 
@@ -500,47 +555,128 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     return rows
 
 
-def micro_batches(rows, policy, reference, cfg, pad_id):
-    """Rows -> right-padded micro-batches carrying what the loss needs from the pre-update
-    weights: old log-probs (more than one optimizer step per batch), reference log-probs
-    (kl_beta > 0), CRM weights (from the old log-probs of the same response tokens under x and
-    x~), and the rollout engine's own log-probs (mismatch, TIS). Returns (batches, CrmSums).
-
-    Under torchrun every rank must run the same forwards (FSDP gathers each layer's weights
-    collectively): a rank with fewer micro-batches than another gets zero-weight `dummy` ones,
-    and the CRM pass runs on every rank when any rank has templated rows in that micro-batch."""
+def pre_update_pass(rows, policy, reference, cfg, pad_id):
+    """Rows -> right-padded micro-batches (micro_chunks) holding what the loss needs besides the
+    training forward: the rows' CRM weights and engine log-probs laid out on the batch, and from
+    no-grad forwards with the pre-update weights, old log-probs (only when a later optimizer
+    step of this call needs them) and the frozen reference's (kl_beta > 0)."""
     chunks = micro_chunks(rows, cfg.micro_batch_size, cfg.shared_prompt)
-    batches, crm, device = [], distill.CrmSums(), next(policy.parameters()).device
+    batches, device = [], next(policy.parameters()).device
     with torch.no_grad(), autocast(cfg, device):
-        for i in range(dist.all_max(len(chunks))):
-            chunk = chunks[i] if i < len(chunks) else [Row([pad_id], [pad_id], 0.0)]  # dummy: weight 0 below
+        for i in range(dist.all_max(len(chunks))):  # FSDP lock-step: as many micro-batches on every rank
+            chunk = chunks[i] if i < len(chunks) else [Row([pad_id], [pad_id], 0.0)]  # a stand-in, weight 0
             prompts, responses = [r.prompt_ids for r in chunk], [r.response_ids for r in chunk]
             ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
-            b = MicroBatch(ids, attention, response_mask[:, 1:], torch.tensor([r.advantage for r in chunk], device=device),
-                           dummy=i >= len(chunks))
+            mask = response_mask[:, 1:]  # [B, L-1]
+            b = MicroBatch(ids, attention, mask, torch.tensor([r.advantage for r in chunk], device=device),
+                           *grpo.scatter_rows([r.sampler_logp for r in chunk], mask), dummy=i >= len(chunks))
+            if any(r.crm_weight is not None for r in chunk):
+                b.crm_weight = grpo.scatter_rows([r.crm_weight for r in chunk], mask, fill=1.0)[0]
             if cfg.shared_prompt:
                 b.packed = grpo.pack_rows(prompts, responses, pad_id).to(device)
-            if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:  # later optimizer steps need pre-update log-probs
-                b.old_logp = response_logprobs(policy, ids, attention, b.loss_mask, cfg.temperature, packed=b.packed)[0]
+            if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:
+                b.old_logp = response_logprobs(policy, ids, attention, mask, cfg.temperature, packed=b.packed)[0]
             if reference is not None:
-                b.ref_logp = response_logprobs(reference, ids, attention, b.loss_mask, cfg.temperature,
-                                               packed=b.packed)[0]
-            b.sampler_logp, b.sampler_mask = sampler_logprobs(chunk, b.loss_mask)
-            templated = [j for j, r in enumerate(chunk) if r.tilde_prompt_ids is not None]
-            if dist.all_max(int(bool(templated))):  # one pass: the templated rows under x, then under x~
-                prompts = [chunk[j].prompt_ids for j in templated] + [chunk[j].tilde_prompt_ids for j in templated]
-                responses = [chunk[j].response_ids for j in templated] * 2
-                both = row_logprobs(policy, prompts or [[pad_id]], responses or [[pad_id]], pad_id, cfg.temperature,
-                                    shared=cfg.shared_prompt)
-            if templated:
-                plain, tilde = [None] * len(chunk), [None] * len(chunk)
-                for q, j in enumerate(templated):
-                    plain[j], tilde[j] = both[q], both[len(templated) + q]
-                b.crm_weight, sums = distill.crm_token_weights(b.loss_mask, plain, tilde, cfg.crm_low,
-                                                               cfg.crm_high, cfg.crm_soft)
-                crm += sums
+                b.ref_logp = response_logprobs(reference, ids, attention, mask, cfg.temperature, packed=b.packed)[0]
             batches.append(b)
-    return batches, crm
+    return batches
+
+
+def micro_batch_loss(policy, b, cfg, denominators, with_entropy):
+    """The training forward of one micro-batch and its share of the step loss (grpo.policy_loss)."""
+    with autocast(cfg, b.input_ids.device):
+        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
+                                      b.packed)
+    loss, sums = grpo.policy_loss(
+        logp, b.old_logp, b.advantages, b.loss_mask, denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg, max_len=cfg.max_tokens, crm_weight=b.crm_weight,
+        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask, tis_cap=cfg.tis_cap, ref_logp=b.ref_logp,
+        kl_beta=cfg.kl_beta)
+    if ent is not None:
+        sums.update(entropy_sum=ent.sum().item(), entropy_tokens=ent.numel())
+    if b.dummy:  # torchrun: a stand-in that keeps the ranks' forwards and backwards in step
+        return loss * 0.0, {"mismatch_abs_max": 0.0}
+    return loss, sums
+
+
+@dataclass
+class Update:
+    """What one policy update did."""
+    finite: bool  # False: skipped, no trace left in the weights or the optimizer
+    loss: float  # loss of an optimizer step, mean over the call's steps (PPO epochs x mini-batches)
+    grad_norm: float  # before clipping, last optimizer step
+    trained_rows: int  # rows forwarded (the others had zero advantage and no KL term)
+    sums: Counter  # clipped_tokens, kl_sum, entropy_sum / entropy_tokens (first epoch), crm_*
+
+
+def prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups):
+    """The call's mini-batches of whole groups, each as (micro-batches, grpo.Denominators,
+    forwarded rows), and the CRM sums. The CRM pass covers every templated row of a
+    mini-batch, also those of groups that are not forwarded (all-zero advantages): the kept
+    denominator and the logged masked fraction count them. Every sum is global (dist.all_sum)."""
+    size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
+    parts, sums = [], Counter()
+    old_logprobs = functools.partial(row_logprobs, policy, pad_id=pad_id, temperature=cfg.temperature,
+                                     shared=cfg.shared_prompt)
+    for lo in range(0, n_groups, size):
+        part = [r for r in rows if lo <= r.group < lo + size]
+        with torch.no_grad(), autocast(cfg, next(policy.parameters()).device):
+            weights, crm = distill.crm_pass(part, old_logprobs, cfg.micro_batch_size, cfg.crm_low, cfg.crm_high,
+                                            cfg.crm_soft)
+        for r, w in zip(part, weights):
+            r.crm_weight = w
+        trained = [r for r in part if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
+        denominators = grpo.step_denominators(
+            dist.all_sum(sum(len(r.response_ids) for r in part)), dist.all_sum(len(part)),
+            dist.all_sum(crm.templated_tokens), dist.all_sum(crm.weight_sum), cfg.crm_denominator)
+        parts.append((pre_update_pass(trained, policy, reference, cfg, pad_id), denominators, len(trained)))
+        sums.update({f"crm_{k}": v for k, v in fields_of(crm).items()})
+    return parts, sums
+
+
+def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None):
+    """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
+    whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
+    token-mean over ITS whole mini-batch, whatever the micro-batch split; after the first step
+    the PPO ratio is taken against the log-probs stored before the update. A non-finite loss or
+    gradient in any step restores the weights and optimizer state of before the call.
+
+    Under torchrun `rows` are this rank's share and n_groups counts the step's groups on all
+    ranks. The denominators (tokens, rows, CRM weight mass) are global sums, so each rank's
+    loss is its share of the single-process loss and the summed gradients (dist.shard) are the
+    single-process gradient; the finiteness decision and the logged sums are global too."""
+    n_groups = n_groups or max((r.group for r in rows), default=0) + 1
+    parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups)
+    snapshot = None
+    if cfg.ppo_epochs * len(parts) > 1:
+        snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
+    losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[2] for p in parts))
+    device = next(policy.parameters()).device
+    for epoch in range(cfg.ppo_epochs):
+        for batches, denominators, _ in parts:
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            # one autocast region for all micro-batches: each weight is cast to bf16 once a step, not
+            # once a micro-batch. Not under FSDP, where that cache would hold every layer's gathered weights
+            with autocast(cfg, device) if not dist.active() else contextlib.nullcontext():
+                for b in batches:
+                    loss, s = micro_batch_loss(policy, b, cfg, denominators, with_entropy=epoch == 0)
+                    loss.backward()
+                    loss_sum += loss.item()
+                    sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
+                    sums.update(s)
+            grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip) if batches else 0.0  # global norm
+            loss_sum = dist.all_sum(loss_sum)
+            losses.append(loss_sum)
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                if snapshot is not None:  # undo this call's earlier optimizer steps
+                    policy.load_state_dict(snapshot[0])
+                    optimizer.load_state_dict(snapshot[1])
+                return Update(False, loss_sum, grad_norm, n_trained, dist.sum_counters(sums, ("mismatch_abs_max",)))
+            optimizer.step()
+    return Update(True, sum(losses) / len(losses), grad_norm, n_trained,
+                  dist.sum_counters(sums, ("mismatch_abs_max",)))
 
 
 def micro_chunks(rows, size, shared):
@@ -563,115 +699,6 @@ def micro_chunks(rows, size, shared):
         else:
             chunks.append(piece)
     return chunks
-
-
-def sampler_logprobs(rows, loss_mask):
-    """The rollout engine's log-probs scattered onto the padded batch: ([B, L-1] values, [B, L-1]
-    bool where known). Rows without them (distilled rows: sampled under x~, trained under x) stay 0."""
-    values = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
-    known = torch.zeros_like(loss_mask)
-    for b, row in enumerate(rows):
-        if row.sampler_logp is not None:
-            positions = loss_mask[b].nonzero().squeeze(1)  # [n_b], as many as response tokens
-            values[b, positions] = torch.tensor(row.sampler_logp, dtype=torch.float32, device=values.device)
-            known[b, positions] = True
-    return values, known
-
-
-def micro_batch_loss(policy, b, cfg, pg_denominator, step_tokens, step_rows, with_entropy):
-    """This micro-batch's share of the step loss (summing over micro-batches gives the step
-    loss), and sums for the logs. The CRM weight multiplies the policy-gradient term only; the
-    KL term counts every response token."""
-    with autocast(cfg, b.input_ids.device):
-        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
-                                      b.packed)
-    old_logp = logp.detach() if b.old_logp is None else b.old_logp  # ppo_epochs == 1: rho == 1
-    pg, clipped = grpo.ppo_clip_token_loss(logp, old_logp, b.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
-    mask = b.loss_mask.float()  # [B, L-1]
-    mismatch = (old_logp - b.sampler_logp)[b.sampler_mask]  # [n] trainer vs rollout engine, same context
-    weight = b.crm_weight
-    if cfg.tis_cap > 0:  # truncated importance sampling: the rollouts came from the engine, not pi_old
-        tis = torch.where(b.sampler_mask, (old_logp - b.sampler_logp).exp().clamp(max=cfg.tis_cap), 1.0)
-        weight = tis if weight is None else weight * tis
-    loss = grpo.aggregate(pg, mask, cfg.loss_agg, pg_denominator, step_rows, cfg.max_tokens, weight)
-    sums = Counter(clipped_tokens=(clipped & b.loss_mask).sum().item(), mismatch_tokens=mismatch.numel(),
-                   mismatch_abs_sum=mismatch.abs().sum().item())
-    sums["mismatch_abs_max"] = mismatch.abs().max().item() if mismatch.numel() else 0.0
-    if b.ref_logp is not None:
-        kl = grpo.k3_kl(logp, b.ref_logp)  # [B, L-1]
-        loss = loss + cfg.kl_beta * grpo.aggregate(kl, mask, cfg.loss_agg, step_tokens, step_rows, cfg.max_tokens)
-        sums["kl_sum"] = (kl.detach() * mask).sum().item()
-    if ent is not None:
-        sums.update(entropy_sum=ent.sum().item(), entropy_tokens=ent.numel())
-    if b.dummy:  # torchrun: a stand-in that keeps the ranks' forwards and backwards in step
-        return loss * 0.0, Counter(mismatch_abs_max=0.0)
-    return loss, sums
-
-
-@dataclass
-class Update:
-    """What one policy update did."""
-    finite: bool  # False: skipped, no trace left in the weights or the optimizer
-    loss: float  # loss of an optimizer step, mean over the call's steps (PPO epochs x mini-batches)
-    grad_norm: float  # before clipping, last optimizer step
-    trained_rows: int  # rows forwarded (the others had zero advantage and no KL term)
-    sums: Counter  # clipped_tokens, kl_sum, entropy_sum / entropy_tokens (first epoch), crm_*
-
-
-def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None):
-    """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
-    whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
-    token-mean over ITS whole mini-batch, whatever the micro-batch split; after the first step
-    the PPO ratio is taken against the log-probs stored before the update. A non-finite loss or
-    gradient in any step restores the weights and optimizer state of before the call.
-
-    Under torchrun `rows` are this rank's share and n_groups counts the step's groups on all
-    ranks. The denominators (tokens, rows, CRM weight mass) are global sums, so each rank's
-    loss is its share of the single-process loss and the summed gradients (dist.shard) are the
-    single-process gradient; the finiteness decision and the logged sums are global too."""
-    n_groups = n_groups or max((r.group for r in rows), default=0) + 1
-    size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
-    parts, sums = [], Counter()
-    for lo in range(0, n_groups, size):
-        part = [r for r in rows if lo <= r.group < lo + size]
-        trained = [r for r in part if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
-        batches, crm = micro_batches(trained, policy, reference, cfg, pad_id)
-        tokens = dist.all_sum(sum(len(r.response_ids) for r in part))
-        kept = tokens - dist.all_sum(crm.templated_tokens) + dist.all_sum(crm.weight_sum)  # the CRM weight mass
-        parts.append((batches, tokens, dist.all_sum(len(part)), kept if cfg.crm_denominator == "kept" else tokens,
-                      len(trained)))
-        sums.update({f"crm_{k}": v for k, v in fields_of(crm).items()})
-    snapshot = None
-    if cfg.ppo_epochs * len(parts) > 1:
-        snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
-    losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[4] for p in parts))
-    device = next(policy.parameters()).device
-    for epoch in range(cfg.ppo_epochs):
-        for batches, tokens, n_rows, pg_denominator, _ in parts:
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            # one autocast region for all micro-batches: each weight is cast to bf16 once a step, not
-            # once a micro-batch. Not under FSDP, where that cache would hold every layer's gathered weights
-            with autocast(cfg, device) if not dist.active() else contextlib.nullcontext():
-                for b in batches:
-                    loss, s = micro_batch_loss(policy, b, cfg, max(pg_denominator, 1e-9), tokens, n_rows,
-                                               with_entropy=epoch == 0)
-                    loss.backward()
-                    loss_sum += loss.item()
-                    sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
-                    sums.update(s)
-            grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip) if batches else 0.0  # global norm
-            loss_sum = dist.all_sum(loss_sum)
-            losses.append(loss_sum)
-            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                optimizer.zero_grad(set_to_none=True)
-                if snapshot is not None:  # undo this call's earlier optimizer steps
-                    policy.load_state_dict(snapshot[0])
-                    optimizer.load_state_dict(snapshot[1])
-                return Update(False, loss_sum, grad_norm, n_trained, dist.sum_counters(sums, ("mismatch_abs_max",)))
-            optimizer.step()
-    return Update(True, sum(losses) / len(losses), grad_norm, n_trained,
-                  dist.sum_counters(sums, ("mismatch_abs_max",)))
 
 
 def step_metrics(state, groups, update, info, lr, cfg):
@@ -717,110 +744,87 @@ def step_metrics(state, groups, update, info, lr, cfg):
 # ----------------------------------------------------------------------------- GEPA at an epoch's end
 
 
-def gepa_round(cfg, epoch, hard_problems, engine, weights, model_path, counts, reward_fn, reflect_override=None):
-    """Run GEPA on this epoch's hard prompts with the current policy answering (the engine holds
-    it; `weights`, its full state dict, puts it back after a Self-Ref reflection); return the result."""
-    def answer_fn(pairs, kind):
-        msgs = [problem_messages(item, t, cfg.prompt_format) for t, item in pairs]
-        out = engine.generate(msgs, n=1, temperature=0.0, max_tokens=cfg.max_tokens)
+def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
+    """GEPA on an epoch's hard prompts: the current policy (in `engine`) answers greedily, the
+    `reflector` (rollout.py's, or anything with reflect(prompts) -> [(text, finished) | None], or
+    such a function) proposes
+    templates. Answers and reflection calls are counted in `counts`. Returns gepa.GepaResult."""
+    def answer(pairs, kind):
+        out = engine.generate([problem_messages(item, t, cfg.prompt_format) for t, item in pairs], n=1,
+                              temperature=0.0, max_tokens=cfg.max_tokens)
         counts[f"{kind}_rollouts"] += len(pairs)
         counts[f"{kind}_tokens"] += sum(len(g[0].response_ids) for g in out)
         return [g[0].text for g in out]
 
-    reflector_engine, swap, teacher = engine, None, None
-    if reflect_override is None and remote_reflector(cfg):  # Teacher-Ref over an OpenAI-compatible API
-        teacher = open_reflector(cfg)
-    elif reflect_override is None and cfg.reflector == "init":  # Self-Ref: the frozen starting weights, swapped into the engine
-        from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
-        swap = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
-    elif reflect_override is None and cfg.reflector != "policy":  # Teacher-Ref: another local model
-        reflector_engine = make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector))
-
-    def reflect_fn(prompts):
-        if reflect_override is not None:  # tests: a scripted reflector
-            counts["reflection_calls"] += len(prompts)
-            return reflect_override(prompts)
-        if teacher is not None:  # its tokens are cost, not policy compute: counted apart
-            before = (teacher.failures, teacher.tokens)
-            out = teacher.reflect(prompts, cfg.reflect_temperature, cfg.reflect_max_tokens,
-                                  seed=cfg.seed * 7 + counts["reflection_calls"])
-            counts["reflection_calls"] += len(prompts)
-            counts["teacher_failures"] += teacher.failures - before[0]
-            counts["teacher_tokens"] += teacher.tokens - before[1]
-            return out
-        current = {k: v.detach().clone() for k, v in weights.items()} if swap else None
-        if swap:
-            engine.push_weights(swap)
-        try:
-            # the answer is prefilled with the opening delimiter and stops at the closing one: a
-            # small reflector rarely produces the delimiters by itself
-            out = reflector_engine.generate(
-                [[{"role": "user", "content": p}, {"role": "assistant", "content": gepa.DELIM_OPEN}] for p in prompts],
-                n=1, temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens,
-                seed=cfg.seed * 7 + counts["reflection_calls"], stop=[gepa.DELIM_CLOSE])
-        finally:
-            if swap:
-                engine.push_weights(current)
+    def reflect(prompts):
+        out = reflect_fn(prompts)
         counts["reflection_calls"] += len(prompts)
-        counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
-        return [(gepa.DELIM_OPEN + g[0].text, g[0].finish_reason == "stop") for g in out]
+        return out
+
+    reflect_fn = getattr(reflector, "reflect", reflector)  # a reflector object, or a function of the prompts
 
     rng = random.Random(f"gepa/{cfg.seed}/{epoch}")  # independent of the prompt order's seed
     seeds = gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars) if cfg.seed_templates else ()
-    return gepa.run_gepa(hard_problems, answer_fn, reflect_fn, cfg, rng, k=cfg.group_size,
-                         same_for_group=cfg.same_template_per_group, reward_fn=reward_fn, seeds=seeds)
+    return gepa.run_gepa(hard_problems, answer, reflect, cfg, rng, reward_fn=reward_fn, seeds=seeds)
 
 
 def remote_reflector(cfg):
     return cfg.reflector.startswith(("http://", "https://"))
 
 
-def open_reflector(cfg):
-    """The Teacher-Ref client; a server that cannot be used is a one-line exit."""
-    try:
-        return OpenAIReflector(cfg.reflector, cfg.reflector_model, cfg.reflector_api_key_env,
-                               cfg.reflector_timeout, cfg.reflector_retries)
-    except ReflectorError as e:
-        raise SystemExit(str(e)) from None
+def make_reflector(cfg, engine, model_path, weights, counts):
+    """The reflector --reflector names, for one GEPA round (docs/METHOD.md "GEPA"): an http(s)
+    server (Teacher-Ref over the OpenAI API), `init` (the frozen starting weights, swapped into
+    the training engine for the reflection calls, then `weights`, the policy's full state dict,
+    put back: Self-Ref), `policy` (the training engine as it is), or another local model (its
+    own engine). Its seeds continue from the run's count of reflection calls (exact resume)."""
+    seed = cfg.seed * 7 + counts["reflection_calls"]
+    settings = dict(temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens, seed=seed, counts=counts)
+    if remote_reflector(cfg):
+        try:
+            return OpenAIReflector(cfg.reflector, cfg.reflector_model, cfg.reflector_api_key_env,
+                                   cfg.reflector_timeout, cfg.reflector_retries, **settings)
+        except ReflectorError as e:  # a server that cannot be used is a one-line exit
+            raise SystemExit(str(e)) from None
+    if cfg.reflector == "init":
+        from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
+        initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+        return EngineReflector(engine, swap=initial, restore=weights, **settings)
+    if cfg.reflector == "policy":
+        return EngineReflector(engine, **settings)
+    return EngineReflector(make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector)), **settings)
 
 
-def end_of_epoch(state, stream, by_id, cfg, log, gepa_args, weights=None, run_gepa=True):
-    """P²O: GEPA on the epoch's hard prompts -> the next epoch's template assignment. Then a new
-    epoch starts collecting hard prompts. gepa_args: (engine, model_path, reward_fn, reflect_fn);
-    weights: the policy's full state dict. Under torchrun rank 0 alone calls this (train())."""
-    if cfg.algo == "p2o":
-        log.writer.add_scalar("p2o/hard_set_size", len(state.hard_now), state.step)
-        summary = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}
-        state.assignment = {}
-        if run_gepa and len(state.hard_now) >= cfg.gepa_min_hard:
+def end_epoch(run, search=True):
+    """The epoch in state.epoch is over (search=False: the run is, and no GEPA round follows).
+    P²O: with at least gepa_min_hard hard prompts, GEPA evolves templates for them (rank 0; the
+    other ranks wait) and assigns K of them to each for the next epoch; a round is minutes of
+    compute, so it is checkpointed on both sides. Then the loop state rank 0 leaves is every
+    rank's, and the next epoch starts collecting hard prompts."""
+    cfg, state = run.cfg, run.state
+    due = search and cfg.algo == "p2o" and len(state.hard_now) >= cfg.gepa_min_hard
+    if due:
+        checkpoint(run)
+    t = time.perf_counter()
+    weights = dist.full_state_dict(run.policy) if due else None  # collective: before rank 0 goes alone
+    if run.is_main and cfg.algo == "p2o":
+        summary, result = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}, None
+        if due:
             tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
-            t = time.perf_counter()
-            engine, model_path, reward_fn, reflect_fn = gepa_args
-            result = gepa_round(cfg, state.epoch, [by_id[i] for i in state.hard_now], engine, weights, model_path,
-                                state.counts, reward_fn, reflect_fn)
-            archive = result.to_json()
-            write_atomic(os.path.join(log.run_dir, f"gepa-epoch-{state.epoch}.json"),
-                         lambda tmp: json.dump(archive, open(tmp, "w"), indent=1))
-            state.assignment = result.assignment
-            proposals = sum(e["outcome"] != "skipped_all_correct" for e in result.log)
-            accepted = sum(e["outcome"] == "accepted" for e in result.log)
-            summary.update(ran=True, seconds=time.perf_counter() - t, pool=len(result.pool), accepted=accepted,
-                           proposals=proposals, rejections=dict(result.rejections),
-                           best_dev_score=archive["best_dev_score"], chosen=len(result.chosen),
-                           assigned=len(state.assignment), metric_calls=result.metric_calls, budget=cfg.gepa_budget)
-            log.writer.add_scalar("p2o/gepa_acceptance_rate", accepted / max(1, proposals), state.step)
-            log.writer.add_scalar("p2o/gepa_best_dev_score", archive["best_dev_score"], state.step)
+            reflector = run.reflector or make_reflector(cfg, run.engine, run.model_path, weights, state.counts)
+            result = gepa_round(cfg, state.epoch, [run.by_id[i] for i in state.hard_now], run.engine, reflector,
+                                state.counts, run.reward_fn)
+            summary.update(ran=True, seconds=time.perf_counter() - t, **result.summary())
             tqdm.write(f"GEPA: {json.dumps(summary)}")
+        run.log.gepa(state.epoch, state.step, len(state.hard_now), result)
+        state.assignment = result.assignment if result else {}
         state.gepa_history.append(summary)
-    state.hard_now = {}
-    state.epoch = stream.epoch_of(state.consumed)
-
-
-def share_loop_state(state):
-    """Rank 0's LoopState (hard set, GEPA result, assignment, accounting) on every rank, in
-    place; nothing to do in one process. Called after rank 0 alone ran end_of_epoch."""
-    for key, value in dist.broadcast_object(fields_of(state)).items():
+    state.hard_now, state.epoch = {}, state.epoch + 1
+    for key, value in dist.broadcast_object(fields_of(state)).items():  # rank 0's, on every rank
         setattr(state, key, value)
+    run.seconds["GEPA"] += time.perf_counter() - t
+    if due:
+        checkpoint(run)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -854,6 +858,11 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+    attention = policy.config._attn_implementation
+    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
+        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
+                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
+                         "or --shared_prompt=False")
     policy.train()
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -899,6 +908,26 @@ def restore(saved, own, optimizer, scheduler, warmup, cfg):
     return LoopState(**saved["loop"])
 
 
+def resume_point(cfg, given=None):
+    """Read a resume once, for the command line and train(cfg) alike -> (cfg, checkpoint folder
+    or None, its trainer.pt or None). The checkpoint's settings come back, and the settings
+    named in `given` win over them (the command line's flags; for train(cfg), by default every
+    field that differs from Config's default). A saved setting this Config no longer has is
+    dropped with a note."""
+    path = resolve_resume(cfg) if cfg.resume else None
+    if not path:
+        return cfg, None, None
+    saved = load_trainer_state(path)
+    defaults, known = Config(), {f.name for f in dataclasses.fields(Config)}
+    if given is None:
+        given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
+    old = {k: v for k, v in saved.get("config", {}).items() if k in known}
+    if set(saved.get("config", {})) - known:
+        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}")
+    merged = Config(**{**old, **{k: getattr(cfg, k) for k in given | {"resume"}}})
+    return merged, path, saved
+
+
 @dataclass
 class Run:
     """What start_run() sets up once and every phase of the loop reads: settings, process
@@ -906,7 +935,7 @@ class Run:
     cfg: Config
     rank: int
     world: int
-    main: bool  # rank 0: logs and writes files
+    is_main: bool  # rank 0: logs and writes files
     run_dir: str
     train_set: list
     dev_set: list
@@ -924,24 +953,24 @@ class Run:
     scheduler: object
     state: LoopState
     log: object  # RunLog on rank 0, None elsewhere
+    reward_fn: object  # reward_fn(text, problem) -> float, for rollouts and GEPA's answers alike
+    reflector: object = None  # a given reflector (tests: a scripted one); None: make_reflector each GEPA round
     started: float = 0.0  # time.perf_counter() at the start of start_run
     seconds: Counter = field(default_factory=Counter)  # wall time of this process by phase (the summary's line)
 
 
-def start_run(cfg, engine):
-    """Join the process group, resolve a resume, make the run folder, load data and models,
-    build the optimizer and put back a checkpoint's state -> Run."""
+def start_run(cfg, resume_path, saved, engine, reward_fn, reflector):
+    """Join the process group, make the run folder, load data and models, build the optimizer
+    and put back a checkpoint's state (resume_point read it) -> Run."""
     started = time.perf_counter()
     rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)  # GEPA: the others wait
-    main = dist.is_main()
-    resume_path = resolve_resume(cfg) if cfg.resume else None
-    saved = load_trainer_state(resume_path) if resume_path else None
+    is_main = dist.is_main()
     if saved and saved.get("world", 1) != world:
         raise SystemExit(f"{resume_path} was written by {saved.get('world', 1)} processes; resume with as many "
                          f"(now {world}): the optimizer state is sharded by process")
     cfg.run_name = cfg.run_name or dist.broadcast_object(f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    if main:
+    if is_main:
         os.makedirs(run_dir, exist_ok=True)
         print(json.dumps(dataclasses.asdict(cfg), indent=1) + (f"\n{world} processes" if world > 1 else ""))
     if not cfg.verbose:
@@ -970,23 +999,23 @@ def start_run(cfg, engine):
     if saved:
         own = load_rank_state(resume_path, rank) if world > 1 else saved
         state = restore(saved, own, optimizer, scheduler, warmup, cfg)
-        if main:
+        if is_main:
             print(f"resuming from {resume_path} at step {state.step}")
-    if main:
+    if is_main:
         start_branch(run_dir, state.step if saved else -1, state.epoch, resume_path)  # a fresh run keeps nothing
         if state.best_step >= 0:
-            point(run_dir, "best", state.best_step)
-    log = RunLog(run_dir, state.step, cfg) if main else None
-    if main and cfg.algo == "p2o" and remote_reflector(cfg):  # fail now, not at the first epoch's end
-        print(f"reflector: {open_reflector(cfg).model} at {cfg.reflector}")
+            link_checkpoint(run_dir, "best", state.best_step)
+    log = RunLog(run_dir, state.step, cfg) if is_main else None
+    if is_main and cfg.algo == "p2o" and remote_reflector(cfg) and reflector is None:  # fail now, not at an epoch's end
+        print(f"reflector: {make_reflector(cfg, None, None, None, Counter()).model} at {cfg.reflector}")
     dist.barrier()
-    return Run(cfg=cfg, rank=rank, world=world, main=main, run_dir=run_dir, train_set=train_set, dev_set=dev_set,
-               by_id={p.id: p for p in train_set}, stream=PromptStream(train_set, cfg.seed),
-               total_steps=cfg.max_steps or cfg.epochs * max(1, len(train_set) // cfg.prompts_per_step),
+    stream = PromptStream(train_set, cfg.seed)
+    return Run(cfg=cfg, rank=rank, world=world, is_main=is_main, run_dir=run_dir, train_set=train_set,
+               dev_set=dev_set, by_id={p.id: p for p in train_set}, stream=stream,
+               total_steps=cfg.max_steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step),
                model_path=model_path, chat_kwargs=chat_kwargs, policy=policy, reference=reference,
-               tokenizer=tokenizer, engine=engine,
-               pad_id=pad_token_id(tokenizer),
-               optimizer=optimizer, scheduler=scheduler, state=state, log=log, started=started,
+               tokenizer=tokenizer, engine=engine, pad_id=pad_token_id(tokenizer), optimizer=optimizer,
+               scheduler=scheduler, state=state, log=log, reward_fn=reward_fn, reflector=reflector, started=started,
                seconds=Counter({"start-up": time.perf_counter() - started}))
 
 
@@ -997,7 +1026,7 @@ def checkpoint(run):
     trainer = {"config": dataclasses.asdict(run.cfg), "loop": fields_of(run.state),
                "scheduler": run.scheduler.state_dict(), "world": run.world, **(own if run.world == 1 else {})}
     path = save_checkpoint(run.run_dir, run.state.step, run.policy, run.tokenizer, trainer, own)
-    if run.main and run.cfg.keep_checkpoints:
+    if run.is_main and run.cfg.keep_checkpoints:
         prune_checkpoints(run.run_dir, run.cfg.keep_checkpoints)
     run.seconds["checkpoints"] += time.perf_counter() - t
     return path
@@ -1015,40 +1044,23 @@ def dev_eval(run):
                           seed=cfg.seed * 100_003 + state.step + run.rank, prompt_format=cfg.prompt_format)
     overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
     run.seconds["dev evaluations"] += time.perf_counter() - t
-    if run.main:
+    if run.is_main:
         run.log.dev(state.step, overall)
         tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
                    (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
     if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
         state.best_dev, state.best_step = overall["greedy"], state.step
         checkpoint(run)
-        if run.main:
-            point(run.run_dir, "best", state.step)
+        if run.is_main:
+            link_checkpoint(run.run_dir, "best", state.step)
     return overall
 
 
-def epoch_boundary(run, gepa_args):
-    """The last step ended an epoch: GEPA on its hard prompts (P²O; rank 0, the others wait),
-    its result on every rank. A GEPA round is minutes of compute: checkpointed on both sides."""
-    state = run.state
-    gepa_due = run.cfg.algo == "p2o" and len(state.hard_now) >= run.cfg.gepa_min_hard
-    if gepa_due:
-        checkpoint(run)
-    t = time.perf_counter()
-    weights = dist.full_state_dict(run.policy) if gepa_due else None  # collective: before rank 0 goes alone
-    if run.main:
-        end_of_epoch(state, run.stream, run.by_id, run.cfg, run.log, gepa_args, weights)
-    share_loop_state(state)
-    run.seconds["GEPA"] += time.perf_counter() - t
-    if gepa_due:
-        checkpoint(run)
-
-
-def train_step(run, reward_fn):
+def train_step(run):
     """One step: collect groups -> training rows -> policy update -> verified push -> metrics."""
     cfg, state, engine = run.cfg, run.state, run.engine
     t0 = time.perf_counter()
-    groups, info = collect_groups(engine, run.stream, state, cfg, reward_fn)
+    groups, info = collect_groups(engine, run.stream, state, cfg, run.reward_fn)
     rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs)
     t = time.perf_counter()
     if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
@@ -1066,22 +1078,28 @@ def train_step(run, reward_fn):
     else:  # a NaN/inf loss or gradient: the update left no trace; count it
         state.bad_steps += 1
         state.skipped_steps += 1
-        if run.main:
+        if run.is_main:
             tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
     info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
     m = step_metrics(state, groups, update, info, lr, cfg)
     for phase in ("generate", "score", "train", "push"):
         run.seconds[phase] += info[phase]
-    if run.main:
+    if run.is_main:
         run.log.step(m, groups)
     return m, info
 
 
-def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
-    """Run P²O (or GRPO with algo=grpo) with `cfg`. For tests: `engine` (an existing rollout
-    engine holding cfg.model's weights), `reward_fn(text, problem) -> float` (default
-    verify.reward; GEPA scores with the same function) and `reflect_fn(prompts) -> [(text,
-    finished)]` (a scripted reflector).
+def epoch_over(run):
+    return run.stream.epoch_of(run.state.consumed) > run.state.epoch
+
+
+def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
+    """Run P²O (or GRPO with algo=grpo) with `cfg`; with cfg.resume, from a checkpoint whose
+    saved settings apply except those in `given` (default: the fields of cfg that differ from
+    Config's; see resume_point). For tests and forks: `engine` (an existing rollout engine
+    holding cfg.model's weights), `reward_fn(text, problem) -> float` (default verify.reward;
+    GEPA scores with the same function), `reflector` (anything with reflect(prompts) ->
+    [(text, finished) | None], e.g. a scripted one; default: the one --reflector names).
 
     Under `torchrun --nproc_per_node=N train.py` the same loop runs on N processes: the
     policy is sharded (FSDP2), each rank generates its share of a step's prompts with its own
@@ -1089,12 +1107,13 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     accounting are the same everywhere), trains on its share of the groups with global loss
     denominators, and pushes the gathered weights into its engine. Rank 0 alone runs GEPA,
     logs and writes files; the loop state it leaves is broadcast to the others."""
+    cfg, resume_path, saved = resume_point(cfg, given)
     check_config(cfg)
     reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
-    run = start_run(cfg, engine)
-    state, main = run.state, run.main
+    run = start_run(cfg, resume_path, saved, engine, reward_fn, reflector)
+    state, is_main = run.state, run.is_main
     stop = StopSignal()
-    if main:
+    if is_main:
         print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
               "gradient is the policy gradient (see grpo.py)")
     if state.step == 0:
@@ -1102,15 +1121,14 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
     by_tokens = cfg.max_gen_tokens > 0  # a token budget ends the run: count tokens, so the ETA means something
     bar = tqdm(total=cfg.max_gen_tokens if by_tokens else run.total_steps, unit="tok" if by_tokens else "step",
                initial=generated_tokens(state.counts) if by_tokens else state.step, desc=cfg.algo,
-               dynamic_ncols=True, disable=not main)
-    gepa_args = (run.engine, run.model_path, reward_fn, reflect_fn)
+               dynamic_ncols=True, disable=not is_main)
     records = []
     try:
         while state.step < run.total_steps and not budget_spent(state, cfg) \
                 and not dist.all_max(int(stop.signal is not None)):
-            if run.stream.epoch_of(state.consumed) > state.epoch:
-                epoch_boundary(run, gepa_args)
-            m, info = train_step(run, reward_fn)
+            if epoch_over(run):
+                end_epoch(run)
+            m, info = train_step(run)
             bar.update(generated_tokens(state.counts) - bar.n if by_tokens else 1)
             bar.set_postfix(step=state.step, reward=f"{m['reward_mean']:.3f}",
                             zero_var=f"{m['zero_variance_groups']:.2f}", gen=f"{info['generate']:.1f}s",
@@ -1122,19 +1140,17 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
                 dev_eval(run)
             if cfg.save_every and state.step % cfg.save_every == 0:
                 checkpoint(run)
-        if state.step >= run.total_steps and run.stream.epoch_of(state.consumed) > state.epoch:
-            if main:
-                end_of_epoch(state, run.stream, run.by_id, cfg, run.log, gepa_args, run_gepa=False)  # the last hard set
-            share_loop_state(state)
+        if state.step >= run.total_steps and epoch_over(run):
+            end_epoch(run, search=False)  # the last epoch's hard set, recorded; no GEPA round after the run
         final_path = checkpoint(run)
         if dist.all_max(int(stop.signal is not None)):  # every rank takes the same branch
-            if main:
+            if is_main:
                 print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
             return {"step": state.step, "checkpoint": final_path, "interrupted": True}
-        records = run.log.dev_records() if main else []
+        records = run.log.dev_records() if is_main else []
         if run.dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
             dev_eval(run)
-            records = run.log.dev_records() if main else []
+            records = run.log.dev_records() if is_main else []
     finally:
         bar.close()
         if run.log:
@@ -1143,7 +1159,7 @@ def train(cfg, engine=None, reward_fn=None, reflect_fn=None):
         if dist.active() and hasattr(run.engine, "close"):  # vLLM's subgroups go before the group itself
             run.engine.close()
         dist.teardown()
-    if main:
+    if is_main:
         print_summary(run.run_dir, state, records, len(run.dev_set))
         print(time_summary(run.seconds, time.perf_counter() - run.started))
     return {"step": state.step, "checkpoint": final_path, "policy": run.policy, "counts": state.counts,
@@ -1189,11 +1205,7 @@ def main(argv):
         print(config_help())
         return
     cfg = parse_overrides(Config(), argv)
-    path = resolve_resume(cfg) if cfg.resume else None
-    if path:  # the checkpoint's settings, then the command line's on top
-        saved = load_trainer_state(path)["config"]
-        cfg = parse_overrides(Config(**{**saved, "resume": cfg.resume}), argv)
-    train(cfg)
+    train(cfg, given={arg[2:].split("=", 1)[0] for arg in argv})  # on resume, the flags win over the saved settings
 
 
 if __name__ == "__main__":

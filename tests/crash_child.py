@@ -142,7 +142,7 @@ def main():
     elif args.kill:
         raise SystemExit(f"unknown kill point {args.kill!r}")
     out = train.train(config(args), engine=MarkingEngine(args.model, args.slow), reward_fn=reward,
-                      reflect_fn=make_reflector(reflect_kill))
+                      reflector=make_reflector(reflect_kill))
     print(f"finished at step {out['step']}: {out['checkpoint']}")
 
 

@@ -1,12 +1,13 @@
-"""distill.py: the rebuilt context-distillation row and the Context Ratio Mask (elementwise and over a padded batch)."""
+"""distill.py: the rebuilt context-distillation row and the Context Ratio Mask (elementwise, per row, laid out
+over a padded batch, and the CRM pass over a step's rows)."""
 
 import math
 
 import pytest
 import torch
 
-from distill import CrmSums, crm_token_weights, crm_weights, distill_row
-from grpo import aggregate, ppo_clip_token_loss
+from distill import CrmSums, crm_pass, crm_weights, distill_row, row_crm_weights
+from grpo import aggregate, ppo_clip_token_loss, scatter_rows
 from prompts import build_messages
 from rollout import Sample
 
@@ -26,6 +27,25 @@ def test_crm_mask_at_and_around_the_bounds():
     assert crm_weights(tiny, torch.zeros(1, dtype=torch.float64), soft=True)[0].item() == pytest.approx(5e-3)
     w2, _ = crm_weights(plain, templated, low=0.5, high=2.0)
     assert w2.tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def crm_token_weights(mask, plain, tilde, **kw):
+    """Per-row CRM weights (distill.row_crm_weights) laid out on a padded batch (grpo.scatter_rows)."""
+    weights, sums = [], CrmSums()
+    for p, q in zip(plain, tilde):
+        w, s = row_crm_weights(p, q, **kw) if p is not None else (None, CrmSums())
+        weights.append(w)
+        sums += s
+    return scatter_rows(weights, mask, fill=1.0)[0], sums
+
+
+def test_row_crm_weights_docstring_example():
+    w, sums = row_crm_weights(torch.tensor([-0.5, -0.5, -0.5]), torch.tensor([-0.5, -9.0, -0.6]))
+    assert w.tolist() == [1, 0, 1]
+    assert (sums.templated_tokens, sums.out_of_band_tokens, sums.weight_sum) == (3, 1, 2.0)
+    assert sums.log_ratio_sum == pytest.approx(0.0 + 8.5 + 0.1)
+    with pytest.raises(ValueError, match="3 plain and 2 templated"):
+        row_crm_weights(torch.zeros(3), torch.zeros(2))
 
 
 def test_crm_token_weights_docstring_example():
@@ -67,6 +87,32 @@ def test_soft_and_hard_count_the_same_out_of_band_tokens():
     assert hard.out_of_band_tokens == soft.out_of_band_tokens == 2  # both sides of the band counted
     assert hard_w.tolist() == [[0, 1, 0, 1]]
     assert (soft_w <= 1).all() and soft_w[0, 0].item() == pytest.approx(0.1)  # c / low = 0.001 / 0.01
+
+
+class R:  # a training row as crm_pass reads it
+    def __init__(self, prompt, response, tilde=None):
+        self.prompt_ids, self.response_ids, self.tilde_prompt_ids = prompt, response, tilde
+
+
+def test_crm_pass_covers_every_templated_row_in_chunks():
+    """A scripted log-prob function: under x every token has log-prob -1, under x~ (prompt starts
+    with 99) the k-th token of a row has -1 - k. So c_t = e^k: with the band [0.01, 10], tokens
+    k >= 3 (e^3 = 20 > 10) are out of band. Chunks of 2 templated rows: x rows then x~ rows per call."""
+    calls = []
+
+    def old_logprobs(prompts, responses):
+        calls.append([p[0] for p in prompts])
+        return [torch.tensor([-1.0 - k * (p[0] == 99) for k in range(len(r))]) for p, r in zip(prompts, responses)]
+
+    rows = [R([1], [5] * 5, [99, 1]), R([1], [5] * 2), R([2], [5] * 4, [99, 2]), R([3], [5] * 1, [99, 3])]
+    weights, sums = crm_pass(rows, old_logprobs, chunk_size=2)
+    assert calls == [[1, 2, 99, 99], [3, 99]]  # the plain row is never forwarded
+    assert weights[1] is None
+    assert weights[0].tolist() == [1, 1, 1, 0, 0] and weights[2].tolist() == [1, 1, 1, 0] and weights[3].tolist() == [1]
+    assert (sums.templated_tokens, sums.out_of_band_tokens, sums.weight_sum) == (10, 3, 7.0)
+    assert sums.log_ratio_sum == pytest.approx(sum(range(5)) + sum(range(4)) + 0)
+    assert crm_pass([R([1], [5])], old_logprobs, 2) == ([None], CrmSums())  # no templated row: no forward
+    assert len(calls) == 2
 
 
 def test_rebuilt_row_has_identical_response_ids_and_the_original_prompt(model_path):

@@ -11,7 +11,7 @@ import pytest
 
 import eval as evaluation
 from data import Problem
-from eval import answer_records, evaluate, pass_at_k, pass_ks
+from eval import answer_records, pass_at_k, pass_ks, summarize_records
 from rollout import Sample
 
 
@@ -63,7 +63,8 @@ def test_evaluate_by_hand():
         ("What is 2 × 3?", False): ["6"],
         ("What is 2 × 3?", True): ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "..."],
     })
-    overall, by_source, records = evaluate(engine, problems, k=4, progress=False)
+    records = answer_records(engine, problems, k=4, progress=False)
+    overall, by_source = summarize_records(records, 4)
     assert overall["greedy"] == 0.5 and overall["greedy_boxed"] == 0.5
     assert overall["avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert overall["pass@1"] == pytest.approx(overall["avg@4"])
@@ -144,12 +145,12 @@ def test_eval_takes_a_runs_latest_link_as_model(tiny_model, tmp_path, capsys):
     folder itself (not a model) is a one-line error."""
     import shutil
 
-    from runs import point
+    from runs import link_checkpoint
 
     run = tmp_path / "run"
     run.mkdir()
     shutil.copytree(tiny_model, run / "ckpt-000002")
-    point(str(run), "latest", 2)
+    link_checkpoint(str(run), "latest", 2)
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
                             for i in range(2)))

@@ -2,16 +2,24 @@
 import itertools
 import random
 from collections import Counter
+from dataclasses import dataclass
 from fractions import Fraction
 
 import pytest
 
 import train
-from gepa import (AUTO_CANDIDATES, HardItem, accept_child, assign_templates, auto_budget, copies_problem, dev_cap,
+from gepa import (AUTO_CANDIDATES, accept_child, assign_templates, auto_budget, copies_problem, dev_cap,
                   greedy_set_cover, guard, number_value, numbers_in, pareto_fronts, prune_dominated,
                   read_seed_templates, reflection_record, run_gepa, select_parents, split_dev_train)
 
 CFG = train.Config()
+
+
+@dataclass
+class HardItem:  # what run_gepa reads of a hard prompt (train.py passes data.Problem rows)
+    id: str
+    problem: str
+    answer: str
 
 
 def test_pareto_fronts_keep_ties_and_skip_unsolved_items():
@@ -212,8 +220,8 @@ def test_run_gepa_end_to_end_with_scripted_models():
         return scripted_reflect(prompts)
 
     hard = make_hard(12)
-    cfg = train.Config(gepa_budget=60, gepa_parents=2, gepa_minibatch=3)
-    res = run_gepa(hard, scripted_answer, reflect, cfg, random.Random(0), k=4)
+    cfg = train.Config(gepa_budget=60, gepa_parents=2, gepa_minibatch=3, group_size=4)
+    res = run_gepa(hard, scripted_answer, reflect, cfg, random.Random(0))
     assert res.pool[0] == "" and "Multiply first, then add." in res.pool
     child = res.pool.index("Multiply first, then add.")
     assert res.parents[child] == 0 and sum(res.scores[child]) == len(res.dev_ids) == 6
@@ -334,10 +342,10 @@ def test_human_seed_templates_join_the_pool_and_are_scored_and_assigned(tmp_path
     path.write_text("# human-written\nMultiply first, then add.\n\nRead the problem twice.\nMultiply first, then add.\n")
     seeds = read_seed_templates(str(path), 300)
     assert seeds == ["Multiply first, then add.", "Read the problem twice."]  # comments, blanks, repeats dropped
-    cfg = train.Config(gepa_budget=40, gepa_parents=2, gepa_minibatch=3)
+    cfg = train.Config(gepa_budget=40, gepa_parents=2, gepa_minibatch=3, group_size=4)
     calls = []
     res = run_gepa(make_hard(12), scripted_answer, lambda p: calls.append(p) or scripted_reflect(p), cfg,
-                   random.Random(0), k=4, seeds=seeds)
+                   random.Random(0), seeds=seeds)
     n_dev = len(res.dev_ids)
     assert n_dev == min(6, (40 - 6) // (2 + 2)) == 6
     assert res.pool[:3] == ["", *seeds] and res.parents[:3] == [-1, -1, -1]
@@ -389,7 +397,8 @@ def test_one_gepa_round_with_the_real_default_model(vllm_engine, hf_model, model
                        group_size=4)
     counts = C()
     from verify import reward
-    result = train.gepa_round(cfg, 0, hard, vllm_engine, hf_model.state_dict(), model_path, counts,
+    reflector = train.make_reflector(cfg, vllm_engine, model_path, hf_model.state_dict(), counts)
+    result = train.gepa_round(cfg, 0, hard, vllm_engine, reflector, counts,
                               lambda text, problem: reward(text, problem.answer))
     assert result.pool[0] == "" and len(result.scores) == len(result.pool)
     assert len(result.dev_ids) == 3 and len(result.train_ids) == 3

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo import (aggregate, entropy, group_advantages, k3_kl, make_batch, ppo_clip_token_loss,
-                  token_logprobs)
+from grpo import (Denominators, aggregate, entropy, group_advantages, k3_kl, make_batch, policy_loss,
+                  ppo_clip_token_loss, scatter_rows, step_denominators, token_logprobs)
 
 
 def test_group_advantages_by_hand():
@@ -171,3 +171,85 @@ def test_pack_rows_worked_example():
     flat, firsts = p.input_ids.flatten(), {0, 2, 5}  # each row's first response token: predicted by its prompt
     for n, (i, target) in enumerate(zip(p.index.tolist(), targets.tolist())):
         assert flat[i + 1] == target if n not in firsts else flat[i] == [6, 6, 7][[0, 2, 5].index(n)]
+
+
+# ----------------------------------------------------------------------------- the step loss (policy_loss)
+
+
+def loss_inputs():
+    """Two rows, three response positions (row 1 has two tokens). Row 0 is templated and CRM
+    masks its middle token; row 1 was sampled by the engine with log pi_old - log pi_sampler =
+    [log 1.5, log 3] (a distilled row has no engine log-probs under x)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    crm = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    sampler_mask = torch.tensor([[False, False, False], [True, True, False]])
+    sampler = torch.zeros(2, 3, dtype=torch.float64)
+    sampler[1, :2] = logp.detach()[1, :2] - torch.tensor([math.log(1.5), math.log(3.0)], dtype=torch.float64)
+    return logp, mask, torch.tensor([1.0, -2.0], dtype=torch.float64), crm, sampler, sampler_mask
+
+
+def test_step_denominators_and_the_kept_rule():
+    assert step_denominators(66, 12) == Denominators(66, 12, 66)
+    assert step_denominators(66, 12, 30, 23.0, "kept") == Denominators(66, 12, 59.0)  # 66 - 30 + 23
+    assert step_denominators(66, 12, 30, 23.0, "all").pg == 66  # masked tokens still count (reference code)
+    assert step_denominators(0, 0).pg > 0  # an empty step divides by a tiny number, never by 0
+    with pytest.raises(ValueError, match="crm_denominator"):
+        step_denominators(1, 1, crm_denominator="some")
+
+
+def test_policy_loss_crm_times_tis_by_hand():
+    """rho = 1 (one update per batch): l_t = -A w_t with w = CRM x min(pi_old / pi_sampler, 2).
+    Row 0: -1 (1 + 0 + 1) = -2; row 1: +2 (1.5 + 2) = 7; over D = 5 tokens: 1.0. The gradient
+    of a token is -A w_t / D; the masked token and the padding get none."""
+    logp, mask, adv, crm, sampler, sampler_mask = loss_inputs()
+    d = step_denominators(5, 2)
+    loss, sums = policy_loss(logp, None, adv, mask, d, crm_weight=crm, sampler_logp=sampler,
+                             sampler_mask=sampler_mask, tis_cap=2.0)
+    assert loss.item() == pytest.approx(1.0)
+    loss.backward()
+    want = torch.tensor([[-1 / 5, 0.0, -1 / 5], [2 * 1.5 / 5, 2 * 2.0 / 5, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, want)
+    assert sums["mismatch_tokens"] == 2 and sums["clipped_tokens"] == 0
+    assert sums["mismatch_abs_sum"] == pytest.approx(math.log(1.5) + math.log(3.0))
+    assert sums["mismatch_abs_max"] == pytest.approx(math.log(3.0)) and "kl_sum" not in sums
+    # kept: D = 5 - 3 templated tokens + their weight 2 = 4; without TIS row 1 weighs 1 + 1
+    kept = step_denominators(5, 2, 3, 2.0, "kept")
+    loss, _ = policy_loss(logp, None, adv, mask, kept, crm_weight=crm, sampler_logp=sampler, sampler_mask=sampler_mask)
+    assert loss.item() == pytest.approx((-2 + 4) / 4)
+
+
+def test_policy_loss_kl_is_not_weighted_and_divides_by_the_token_count():
+    """k3 with ref = logp + log 2 is 2 - log 2 - 1 on each of the 5 tokens, whatever the CRM weight
+    and the kept denominator (4 here): + 0.5 x 5 (1 - log 2) / 5."""
+    logp, mask, adv, crm, sampler, sampler_mask = loss_inputs()
+    ref = logp.detach() + math.log(2.0)
+    kept = step_denominators(5, 2, 3, 2.0, "kept")
+    base, _ = policy_loss(logp, None, adv, mask, kept, crm_weight=crm)
+    loss, sums = policy_loss(logp, None, adv, mask, kept, crm_weight=crm, ref_logp=ref, kl_beta=0.5)
+    k3 = 2.0 - math.log(2.0) - 1.0
+    assert (loss - base).item() == pytest.approx(0.5 * k3)
+    assert sums["kl_sum"] == pytest.approx(5 * k3)
+
+
+def test_policy_loss_clips_before_weighting():
+    """With pi_old given, rho = 1.5 on every token and eps 0.2: A > 0 takes the clipped 1.2 (no
+    gradient), A < 0 the unclipped 1.5; then the weight multiplies. Row 0: -1 x 1.2 x (1 + 0 + 1);
+    row 1: +2 x 1.5 x (1 + 1); over 5 tokens."""
+    logp, mask, adv, crm, _, _ = loss_inputs()
+    old = logp.detach() - math.log(1.5)
+    loss, sums = policy_loss(logp, old, adv, mask, step_denominators(5, 2), crm_weight=crm)
+    assert loss.item() == pytest.approx((-1.2 * 2 + 2 * 1.5 * 2) / 5)
+    assert sums["clipped_tokens"] == 3  # row 0's three tokens
+    loss.backward()
+    assert (logp.grad[0] == 0).all() and logp.grad[1, 0].item() == pytest.approx(2 * 1.5 / 5)
+
+
+def test_scatter_rows_docstring_example():
+    mask = torch.tensor([[False, True, True], [True, True, False]])
+    values, known = scatter_rows([[-0.5, -0.25], None], mask)
+    assert values.tolist() == [[0.0, -0.5, -0.25], [0.0, 0.0, 0.0]]
+    assert known.tolist() == [[False, True, True], [False, False, False]]
+    assert scatter_rows([None, [2.0, 3.0]], mask, fill=1.0)[0].tolist() == [[1, 1, 1], [2, 3, 1]]
+    with pytest.raises(ValueError, match="row 0: 2 response positions, 3 values"):
+        scatter_rows([[1.0, 2.0, 3.0], None], mask)

@@ -66,15 +66,20 @@ def server():
 def test_a_reflection_round_trip_with_retries_and_the_key(server, monkeypatch):
     monkeypatch.setenv("TEACHER_KEY", "sk-secret")
     Scripted.script[:] = [503, 429, "<template>Check units.</template>"]
-    teacher = OpenAIReflector(server, api_key_env="TEACHER_KEY", retries=3, backoff=0.01)
+    counts = Counter()
+    teacher = OpenAIReflector(server, api_key_env="TEACHER_KEY", retries=3, backoff=0.01, temperature=0.8,
+                              max_tokens=50, seed=5, counts=counts)
     assert teacher.model == "teacher-1"
-    assert teacher.reflect(["improve this"], temperature=0.8, max_tokens=50, seed=5) == \
-        [("<template>Check units.</template>", True)]
+    assert teacher.reflect(["improve this"]) == [("<template>Check units.</template>", True)]
     assert len(Scripted.seen) == 3  # two retried failures, then the answer
     body, auth = Scripted.seen[-1]
     assert auth == "Bearer sk-secret" and body["model"] == "teacher-1" and body["max_tokens"] == 50
     assert body["messages"] == [{"role": "user", "content": "improve this"}] and body["seed"] == 5
     assert (teacher.calls, teacher.failures, teacher.tokens) == (1, 0, 7)
+    assert counts == Counter(teacher_tokens=7, teacher_failures=0)
+    Scripted.script[:] = ["<template>a</template>", "<template>b</template>"]
+    teacher.reflect(["one", "two"])  # the next call's seeds continue after the first call's
+    assert sorted(body["seed"] for body, _ in Scripted.seen[-2:]) == [6, 7]
     assert "sk-secret" not in repr(vars(train.Config(reflector=server)))  # only the variable's name is configured
 
 
@@ -82,7 +87,7 @@ def test_a_reflection_round_trip_with_retries_and_the_key(server, monkeypatch):
 def test_failed_calls_are_counted_and_skipped(server, script, requests):
     Scripted.script[:] = script
     teacher = OpenAIReflector(server, retries=2, backoff=0.01)
-    assert teacher.reflect(["a"], 0.8, 50) == [None]
+    assert teacher.reflect(["a"]) == [None]
     assert len(Scripted.seen) == requests  # 5xx retried (1 + 2), garbage and 4xx not
     assert (teacher.calls, teacher.failures, teacher.tokens) == (1, 1, 0)
 
@@ -97,7 +102,7 @@ def test_an_unreachable_or_wrong_server_is_a_clear_error(server):
         OpenAIReflector(server, model="gpt-x")
     cfg = train.Config(reflector=f"http://127.0.0.1:{port}/v1", reflector_timeout=2)
     with pytest.raises(SystemExit, match="unreachable"):
-        train.open_reflector(cfg)
+        train.make_reflector(cfg, None, None, None, Counter())
 
 
 # ----------------------------------------------------------------------------- vLLM's server
@@ -156,8 +161,9 @@ def gepa_cfg(url, **over):
 def test_one_gepa_round_reflects_through_vllms_openai_server(vllm_server):
     url, _ = vllm_server
     counts = Counter()
-    res = train.gepa_round(gepa_cfg(url), 0, hard_items(), Answers(), None, None, counts,
-                           reward_fn=lambda text, item: float("14" in text))
+    cfg = gepa_cfg(url)
+    res = train.gepa_round(cfg, 0, hard_items(), Answers(), train.make_reflector(cfg, None, None, None, counts),
+                           counts, reward_fn=lambda text, item: float("14" in text))
     assert counts["reflection_calls"] == res.reflection_calls >= 2
     assert counts["teacher_tokens"] > 0 and counts["teacher_failures"] == 0
     assert counts["reflection_tokens"] == 0  # the teacher's tokens are not policy compute
@@ -179,8 +185,8 @@ def test_killing_the_server_mid_round_loses_nothing(vllm_server):
 
     threading.Thread(target=kill_after_first_reflection, daemon=True).start()
     cfg = gepa_cfg(url, gepa_budget=80)
-    res = train.gepa_round(cfg, 0, hard_items(20), Answers(), None, None, counts,
-                           reward_fn=lambda text, item: float("14" in text))
+    res = train.gepa_round(cfg, 0, hard_items(20), Answers(), train.make_reflector(cfg, None, None, None, counts),
+                           counts, reward_fn=lambda text, item: float("14" in text))
     assert killed.is_set()
     failed = [e for e in res.log if e.get("reason") == "call_failed"]
     assert failed and counts["teacher_failures"] == len(failed) == res.rejections["call_failed"]

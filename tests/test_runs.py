@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from runs import checkpoint_step, point, resolve_resume, start_branch, write_atomic
+from runs import checkpoint_step, link_checkpoint, resolve_resume, start_branch, write_atomic
 from train import Config
 
 
@@ -70,7 +70,7 @@ def test_resolve_resume(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "latest").write_text("ckpt-000010\n")  # a run written before pointers were links
     assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000010")
-    point(str(tmp_path / "r"), "latest", 12)
+    link_checkpoint(str(tmp_path / "r"), "latest", 12)
     assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000012")
     with pytest.raises(SystemExit, match="run_name"):
         resolve_resume(Config(resume="auto"))
@@ -80,12 +80,12 @@ def test_pointers_into_what_was_set_aside_are_removed(tmp_path):
     run = tmp_path / "run"
     for name in ("ckpt-000002", "ckpt-000004"):
         (run / name).mkdir(parents=True)
-    point(str(run), "latest", 4)
-    point(str(run), "best", 2)
+    link_checkpoint(str(run), "latest", 4)
+    link_checkpoint(str(run), "best", 2)
     start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
     assert os.readlink(run / "latest") == "ckpt-000002"  # --resume=auto finds the new branch
     assert os.readlink(run / "best") == "ckpt-000002"
-    point(str(run), "best", 4)
+    link_checkpoint(str(run), "best", 4)
     start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
     assert not os.path.lexists(run / "best")  # train.py re-points it from its LoopState
 
@@ -102,7 +102,7 @@ def test_pointers_are_relative_links_that_load_as_model_folders(tmp_path, tiny_m
     run = tmp_path / "run"
     run.mkdir()
     shutil.copytree(tiny_model, run / "ckpt-000003")
-    point(str(run), "latest", 3)
+    link_checkpoint(str(run), "latest", 3)
     (run / "latest.tmp-1").symlink_to("ckpt-000003")  # a link left by a killed process
     start_branch(str(run), step=3, epoch=0, resumed_from=str(run / "ckpt-000003"))
     assert not os.path.lexists(run / "latest.tmp-1") and (run / "ckpt-000003").is_dir()
@@ -115,13 +115,13 @@ def test_pointers_are_relative_links_that_load_as_model_folders(tmp_path, tiny_m
 
 
 def test_prune_checkpoints_spares_the_newest_and_the_named(tmp_path):
-    from runs import point, prune_checkpoints
+    from runs import link_checkpoint, prune_checkpoints
 
     for step in (1, 2, 3, 5, 8):
         (tmp_path / f"ckpt-{step:06d}").mkdir()
     (tmp_path / "ckpt-notes").mkdir()  # not a checkpoint name: never touched
-    point(str(tmp_path), "best", 2)
-    point(str(tmp_path), "latest", 5)  # e.g. a resumed branch whose newest folder is not latest's
+    link_checkpoint(str(tmp_path), "best", 2)
+    link_checkpoint(str(tmp_path), "latest", 5)  # e.g. a resumed branch whose newest folder is not latest's
     assert prune_checkpoints(str(tmp_path), keep=1) == ["ckpt-000001", "ckpt-000003"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()) == \
         ["ckpt-000002", "ckpt-000005", "ckpt-000008", "ckpt-notes"]

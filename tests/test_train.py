@@ -52,7 +52,28 @@ def test_prompt_stream_epochs_and_state():
     second = s.take(5, 5)
     assert sorted(second) == items and first != second  # a new order each epoch
     resumed = PromptStream(items, seed=1)  # a new stream at a saved position
-    assert resumed.take(3, 4) == first[3:] + second[:2]
+    assert resumed.take(6, 3) == second[1:4]
+    assert resumed.take(3, 4) == first[3:]  # never past the epoch's end: the epoch's last step is short
+    assert [len(s.take(p, 2)) for p in (0, 2, 4)] == [2, 2, 1] and s.steps_per_epoch(2) == 3
+
+
+def test_no_step_straddles_an_epoch(tiny_model, tmp_path):
+    """Issue 20: with 6 prompts and B = 4 each epoch is a step of 4 and a short step of 2. Every
+    epoch's steps hold each prompt once, and the hard set GEPA gets after epoch 0 holds exactly
+    the prompts that had < tau successes in epoch 0 (the straddling step used to train 2 prompts
+    of epoch 1's order in epoch 0, mine them into its hard set, and skip their templates)."""
+    data = small_data(tmp_path)
+    out = train.train(p2o_config(tiny_model, tmp_path, data, prompts_per_step=4, log_rollouts=10),
+                      engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflector=scripted_reflector())
+    m = read_metrics(tmp_path / "t")
+    assert [(x["epoch"], len(x["prompt_ids"])) for x in m] == [(0, 4), (0, 2), (1, 4), (1, 2)] and out["step"] == 4
+    for epoch in (0, 1):
+        ids = [i for x in m if x["epoch"] == epoch for i in x["prompt_ids"]]
+        assert sorted(ids) == [f"q{i}" for i in range(6)]
+    groups = [json.loads(line) for line in (tmp_path / "t" / "rollouts.jsonl").read_text().splitlines()]
+    hard0 = {g["id"] for g in groups if g["step"] <= 2 and sum(g["rewards"]) < 2}
+    assert out["gepa_history"][0]["hard"] == len(hard0) == 6  # plain rollouts never earn the scripted reward
+    assert [h["hard"] for h in out["gepa_history"]] == [6, sum(sum(g["rewards"]) < 2 for g in groups if g["step"] > 2)]
 
 
 def test_two_steps_end_to_end(tiny_model, tmp_path):
@@ -182,7 +203,7 @@ def p2o_config(tiny_model, tmp_path, data, **over):
 def test_one_p2o_epoch_end_to_end(tiny_model, tmp_path):
     data = small_data(tmp_path)
     out = train.train(p2o_config(tiny_model, tmp_path, data), engine=MarkingEngine(tiny_model),
-                      reward_fn=templated_reward, reflect_fn=scripted_reflector())
+                      reward_fn=templated_reward, reflector=scripted_reflector())
     run = tmp_path / "t"
     archive = json.loads((run / "gepa-epoch-0.json").read_text())
     assert archive["pool"][0] == "" and len(archive["scores"]) == len(archive["pool"])
@@ -209,14 +230,14 @@ def test_one_p2o_epoch_end_to_end(tiny_model, tmp_path):
 def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_path):
     data = small_data(tmp_path)
     full = train.train(p2o_config(tiny_model, tmp_path / "a", data), engine=MarkingEngine(tiny_model),
-                       reward_fn=templated_reward, reflect_fn=scripted_reflector())
+                       reward_fn=templated_reward, reflector=scripted_reflector())
     train.train(p2o_config(tiny_model, tmp_path / "b", data, max_steps=3, save_every=3),
-                engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflect_fn=scripted_reflector())
+                engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflector=scripted_reflector())
     state = torch.load(tmp_path / "b" / "t" / "ckpt-000003" / "trainer.pt", weights_only=False)
     loop = state["loop"]
     assert loop["epoch"] == 1 and loop["assignment"] and loop["counts"]["reflection_calls"] > 0
-    resumed = train.train(p2o_config(tiny_model, tmp_path / "b", data, resume="auto"),
-                          engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflect_fn=scripted_reflector())
+    resumed = train.train(p2o_config(tiny_model, tmp_path / "b", data, resume="auto"), given={"resume", "max_steps"},
+                          engine=MarkingEngine(tiny_model), reward_fn=templated_reward, reflector=scripted_reflector())
     ma, mb = read_metrics(tmp_path / "a" / "t"), read_metrics(tmp_path / "b" / "t")
     assert [x["step"] for x in mb] == [1, 2, 3, 4]
     for x, y in zip(ma, mb):
@@ -243,7 +264,7 @@ def test_p2o_resume_restores_hard_set_templates_and_accounting(tiny_model, tmp_p
 def test_every_ablation_flag_runs_end_to_end(tiny_model, tmp_path, flags):
     data = small_data(tmp_path)
     out = train.train(p2o_config(tiny_model, tmp_path, data, **flags), engine=MarkingEngine(tiny_model),
-                      reward_fn=templated_reward, reflect_fn=scripted_reflector())
+                      reward_fn=templated_reward, reflector=scripted_reflector())
     m = read_metrics(tmp_path / "t")
     assert out["step"] == 4 and len(m) == 4 and all(math.isfinite(x["grad_norm"]) for x in m)
     if flags.get("algo") == "grpo":
@@ -697,3 +718,102 @@ def test_keep_checkpoints_keeps_the_newest_and_the_best(tiny_model, tmp_path):
     run = tmp_path / "t"
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000002", "ckpt-000004"]  # best, latest
     assert os.readlink(run / "best") == "ckpt-000002" and os.readlink(run / "latest") == "ckpt-000004"
+
+
+# ----------------------------------------------------------------------------- issue 20: latent bugs, config, resume
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_shared_prompt_packing_is_exact_under_each_supported_attention(tiny_model, implementation):
+    """Bug: pack_rows' boolean 4D mask went to eager attention unchanged, which ADDS it to the
+    scores (+1 / +0): every token saw every other (4.3 nats off). Checked in float64 against each
+    row forwarded alone, under both attention implementations the packing supports."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64, attn_implementation=implementation)
+    assert model.config._attn_implementation == implementation
+    rows = shared_rows()
+    prompts, responses = [r.prompt_ids for r in rows], [r.response_ids for r in rows]
+    ids, attention, response_mask = train.grpo.make_batch(prompts, responses, 2)
+    mask = response_mask[:, 1:]
+    with torch.no_grad():
+        packed, _ = train.response_logprobs(model, ids, attention, mask, 1.0,
+                                            packed=train.grpo.pack_rows(prompts, responses, 2))
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            alone = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1]  # [len(r), V]
+            want = torch.log_softmax(alone, -1).gather(-1, torch.tensor(r).unsqueeze(1)).squeeze(1)
+            torch.testing.assert_close(packed[b][mask[b]].double(), want, atol=1e-5, rtol=0)  # logp is stored in fp32
+
+
+def test_packing_refuses_an_attention_that_cannot_take_its_mask():
+    allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    bias = train.grpo.attention_mask_for(allowed, "eager")
+    assert bias.dtype == torch.float32 and (bias[allowed] == 0).all() and (bias[~allowed] < -1e30).all()
+    assert train.grpo.attention_mask_for(allowed, "sdpa") is allowed
+    with pytest.raises(ValueError, match="--shared_prompt=False"):
+        train.grpo.attention_mask_for(allowed, "flash_attention_2")
+
+
+def test_kept_denominator_counts_the_templated_rows_of_skipped_groups(tiny_model):
+    """Bug: with crm_denominator=kept the CRM sums covered forwarded rows only, so the tokens of a
+    skipped templated group (all its rollouts failed: advantages 0) counted at weight 1. The
+    denominator is tokens - templated tokens + sum(w) over EVERY templated row; the logged
+    masked fraction too. Expected values from each row's own CRM weights."""
+    Row = train.Row
+    tilde = [30, 31, 5, 6]
+    rows = [Row([5, 6], [14, 3, 2], 1.0, tilde_prompt_ids=tilde, group=0),
+            Row([5, 6], [15, 4, 9, 2], -0.25, tilde_prompt_ids=tilde, group=0),
+            Row([7, 8], [16, 17, 2], 0.0, tilde_prompt_ids=[30, 31, 7, 8], group=1),  # the all-fail group:
+            Row([7, 8], [18, 19, 20, 21, 2], 0.0, tilde_prompt_ids=[30, 31, 7, 8], group=1)]  # not forwarded
+    model = load_tiny(tiny_model)
+    log_c = []
+    for r in rows:
+        plain = train.row_logprobs(model, [r.prompt_ids], [r.response_ids], 2, 1.0)[0].detach()
+        tilde_lp = train.row_logprobs(model, [r.tilde_prompt_ids], [r.response_ids], 2, 1.0)[0].detach()
+        log_c.append(plain - tilde_lp)
+    ordered = torch.cat(log_c).sort().values  # a band that keeps the middle of this model's ratios
+    low, high = math.exp(ordered[3].item()) * 0.999, math.exp(ordered[11].item()) * 1.001
+    w = [((c >= math.log(low)) & (c <= math.log(high))).float() for c in log_c]
+    assert 0 < sum(x.sum().item() for x in w[2:]) < 8  # some tokens of the skipped group are masked
+    cfg = update_config(crm_denominator="kept", crm_low=low, crm_high=high, lr=0.0)
+    update = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, 2)
+    mass = sum(x.sum().item() for x in w)  # every row is templated: D = sum of all CRM weights
+    expected = -(1.0 * w[0].sum().item() - 0.25 * w[1].sum().item()) / mass
+    assert abs(expected) > 0.01 and update.trained_rows == 2 and update.loss == pytest.approx(expected, abs=1e-5)
+    assert update.sums["crm_templated_tokens"] == 15
+    assert update.sums["crm_out_of_band_tokens"] == sum(int((x == 0).sum()) for x in w)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("adv_norm", "z-score", "--adv_norm is one of"), ("loss_agg", "token-sum", "--loss_agg is one of"),
+    ("backend", "sglang", "--backend is one of"), ("algo", "ppo", "--algo is one of"),
+    ("crm_denominator", "some", "--crm_denominator is one of"), ("gepa_auto", "huge", "--gepa_auto is one of"),
+    ("prompt_format", "chat", "--prompt_format is one of"), ("engine_dtype", "int8", "--engine_dtype is one of"),
+    ("group_size", 0, "--group_size must be >= 1"), ("temperature", 0.0, "--temperature must be > 0"),
+    ("top_p", 1.5, "--top_p must be <= 1"), ("adam_beta2", 1.0, "--adam_beta2 must be < 1"),
+    ("dual_clip", 0.5, "--dual_clip is 0"), ("crm_low", 20.0, "--crm_low"), ("micro_batch_size", 0, ">= 1"),
+    ("gepa_budget", 5, "--gepa_budget"), ("lr", -1e-6, "--lr must be >= 0"),
+])
+def test_every_enum_and_range_is_checked_before_any_model_loads(tmp_path, flag, value, message):
+    cfg = Config(model=str(tmp_path / "no-such-model"), out_dir=str(tmp_path), **{flag: value})
+    with pytest.raises(SystemExit, match=message):
+        train.train(cfg)
+    assert not os.listdir(tmp_path)  # nothing was loaded or written
+
+
+def test_resume_reads_the_saved_settings_the_same_way_for_the_cli_and_train(tiny_model, tmp_path, monkeypatch):
+    """Issue 20: one resume_point serves main() and train(cfg): the saved settings come back,
+    the given ones win. train(cfg) used to ignore the saved config entirely."""
+    train.train(tiny_config(tiny_model, tmp_path, max_steps=1, lr=3e-3), reward_fn=parity_reward)
+    ckpt = str(tmp_path / "t" / "ckpt-000001")
+    cfg, path, saved = train.resume_point(Config(resume=ckpt, max_steps=2))  # train(cfg): non-defaults given
+    assert path == ckpt and saved["loop"]["step"] == 1
+    assert (cfg.model, cfg.lr, cfg.max_steps, cfg.run_name, cfg.resume) == (tiny_model, 3e-3, 2, "t", ckpt)
+    cli = train.parse_overrides(Config(), [f"--resume={ckpt}", "--lr=2e-5"])
+    cfg, _, _ = train.resume_point(cli, given={"resume", "lr"})  # the CLI: a flag at its default value still wins
+    assert (cfg.lr, cfg.max_steps, cfg.backend) == (2e-5, 1, "hf")
+    seen = {}
+    monkeypatch.setattr(train, "train", lambda cfg, given=None: seen.update(given=given))
+    train.main([f"--resume={ckpt}", "--lr=2e-5"])
+    assert seen["given"] == {"resume", "lr"}
+    assert train.resume_point(Config()) == (Config(), None, None)

@@ -81,7 +81,7 @@ def main(job_path):
         local_tokens.append(sum(len(r.response_ids) for r in rows))
         return rows
     train.training_rows = counting_rows
-    out = train.train(cfg, engine=engine, reward_fn=reward, reflect_fn=reflect)
+    out = train.train(cfg, engine=engine, reward_fn=reward, reflector=reflect)
     rank = int(os.environ.get("RANK", "0"))
     torch.save({"state": train.fields_of(out["state"]), "pushes": engine.pushes, "pushed": engine.pushed,
                 "checkpoint": out["checkpoint"],
