@@ -398,6 +398,19 @@ def guard(text, finished, parent, pool, minibatch, cfg):
 # ----------------------------------------------------------------------------- the search
 
 
+def next_minibatches(train, order, cursor, n, b, rng):
+    """n minibatches of b train items, read along `order` from `cursor` and reshuffled (in place)
+    whenever fewer than b remain -> (minibatches, new cursor)."""
+    batches = []
+    for _ in range(n):
+        if cursor + b > len(order):
+            rng.shuffle(order)
+            cursor = 0
+        batches.append([train[i] for i in order[cursor:cursor + b]])
+        cursor += b
+    return batches, cursor
+
+
 def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=None, seeds=()):
     """Evolve templates for the hard items; return the pool, scores, lineage and assignment
     (cfg.group_size templates per hard item; one for the whole group with cfg.same_template_per_group).
@@ -431,13 +444,7 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=Non
             break
         parents = select_parents(res.scores, n_parents, rng)
         # ---- answer each parent's minibatch under the parent
-        batches = []
-        for p in parents:
-            if cursor + b > len(order):
-                rng.shuffle(order)
-                cursor = 0
-            batches.append([train[i] for i in order[cursor:cursor + b]])
-            cursor += b
+        batches, cursor = next_minibatches(train, order, cursor, len(parents), b, rng)
         parent_scores, prompts, live = [], [], []
         for p, mb in zip(parents, batches):
             s, responses = score(res.pool[p], mb, "gepa_minibatch")

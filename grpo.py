@@ -186,6 +186,29 @@ def scatter_rows(values, mask, fill=0.0):
     return out, known
 
 
+def micro_chunks(rows, size, shared):
+    """Training rows (anything with prompt_ids and response_ids lists) -> micro-batches of at
+    most `size` rows. Unshared: sorted by length (less padding).
+    Shared (pack_rows): the rows of one prompt stay together -- a group under x, or the
+    rollouts of one template under x~ in the ablation -- and whole such segments fill each
+    micro-batch (a segment longer than `size` is cut), similar lengths together."""
+    if not shared:
+        rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
+    segments = {}
+    for r in rows:
+        segments.setdefault(tuple(r.prompt_ids), []).append(r)
+    pieces = [seg[i:i + size] for seg in segments.values() for i in range(0, len(seg), size)]
+    pieces.sort(key=lambda piece: len(piece[0].prompt_ids) + sum(len(r.response_ids) for r in piece))
+    chunks = []
+    for piece in pieces:
+        if chunks and len(chunks[-1]) + len(piece) <= size:
+            chunks[-1] = chunks[-1] + piece
+        else:
+            chunks.append(piece)
+    return chunks
+
+
 def make_batch(prompts, responses, pad_id):
     """Right-padded rows [prompt + response] and the mask of response tokens (EOS included:
     the mask comes from lengths, never from comparing with pad_id, which may equal EOS).

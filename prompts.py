@@ -7,7 +7,7 @@
 The answer-format instruction belongs to the original user text, never to the template, so an
 evolved template cannot break answer extraction (docs/METHOD.md §2). With `fewshot=True` three worked
 one-step examples come first as earlier chat turns: the 135M default model almost never writes
-\\boxed{} otherwise (measured: README, "Default model and data"). They are used for the shipped tasks only (built-in and fictional units; `problem_messages`).
+\\boxed{} otherwise (measured: docs/TASKS.md, "Default model and data"). They are used for the shipped tasks only (built-in and fictional units; `problem_messages`).
 
 Two prompt formats (`fmt`, train.py's --prompt_format):
     default   "<problem>\nPut the final answer in \\boxed{}."      (+ the few-shot turns for built-in rows)

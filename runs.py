@@ -1,4 +1,4 @@
-"""Where a run's files live and how they are written: checkpoints, resume, logs.
+"""Where a run's files live and how they are written: checkpoints, resume, logs, the closing summary.
 
     runs/<run_name>/
         ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is)
@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 
 import torch
@@ -29,6 +30,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import dist
 from model import atomic_directory
+from plot import plot_run
 
 
 def checkpoint_step(name):
@@ -311,3 +313,39 @@ class RunLog:
         self.writer.close()
         self.metrics.close()
         self.rollouts.close()
+
+
+class StopSignal:
+    """SIGINT / SIGTERM: finish the step in flight, save a checkpoint, exit. A second signal stops at once."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"\nsignal {signum}: finishing this step, saving a checkpoint, exiting")
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def time_summary(seconds, total):
+    """'wall time 890 s: generate 293 (33%), train 221 (25%), ...' -- where this run's time went."""
+    parts = sorted(seconds.items(), key=lambda kv: -kv[1]) + [("other", total - sum(seconds.values()))]
+    return f"wall time {total:.0f} s: " + ", ".join(f"{k} {v:.0f} ({v / max(total, 1e-9):.0%})" for k, v in parts)
+
+
+def print_summary(run_dir, counts, generated, gepa_history, dev_records, dev_size):
+    """The run's closing lines (curves.png is drawn here); `generated`: tokens the policy generated for training."""
+    print(f"curves: {plot_run(run_dir)}")
+    print(f"compute: {json.dumps(dict(counts))}; GEPA share of generated tokens "
+          f"{(generated - counts['train_tokens']) / max(1, generated):.3f}")
+    if gepa_history:
+        print(f"P²O epochs: {json.dumps(gepa_history)}")
+    if len(dev_records) > 1:  # from dev.jsonl, so a resumed run reports its whole branch
+        print(f"dev greedy accuracy: {dev_records[0]['greedy']:.3f} before (step {dev_records[0]['step']}) -> "
+              f"{dev_records[-1]['greedy']:.3f} after (step {dev_records[-1]['step']}; {dev_size} problems)")

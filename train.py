@@ -33,30 +33,23 @@ epoch's hard prompts (gepa.py; the reflector is one of rollout.py's) and assigns
 each. Epoch 0 is plain GRPO. A step never mixes two epochs: the last step of an epoch whose size
 is not a multiple of B is short (docs/METHOD.md "Epochs").
 
-Outputs go to out_dir/run_name: tb/ (TensorBoard), metrics.jsonl (one line per step),
-rollouts.jsonl (a sample of groups), dev.jsonl, checkpoints (ckpt-NNNNNN/ = an HF model folder
-that eval.py and vLLM load unchanged, plus trainer.pt; `latest` names the newest),
-gepa-epoch-N.json (templates, lineage, dev score matrix, acceptance log, assignment), curves.png.
-
-One process, or `torchrun --nproc_per_node=N train.py ...` for every GPU of a node (see train()
-and dist.py; docs/GPU.md). Simplifications, on purpose: the reference model exists only when
-kl_beta > 0 (and is not sharded); groups whose advantages are all zero are not forwarded when
-kl_beta == 0 (their gradient is exactly zero) but their tokens still count in the token-mean
-denominator, as in the reference implementation; policy entropy is measured on the rows that
-were forwarded.
+Outputs go to out_dir/run_name (the folder's files: runs.py). One process, or `torchrun
+--nproc_per_node=N train.py ...` for every GPU of a node (train(), dist.py, docs/GPU.md).
+Simplifications, on purpose: the reference model exists only when kl_beta > 0 (and is not
+sharded); groups whose advantages are all zero are not forwarded when kl_beta == 0 (their
+gradient is exactly zero) but their tokens still count in the token-mean denominator, as in the
+reference implementation; policy entropy is measured on the rows that were forwarded.
 """
 
 import contextlib
 import copy
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import os
 import random
 import resource
-import signal
 import sys
 import time
 import types
@@ -74,11 +67,12 @@ import grpo
 from data import load_jsonl
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model
-from plot import plot_run
-from prompts import FORMATS, problem_messages
+from config import (check_config, chat_template_kwargs, config_help, context_length, hold_out, parse_overrides,
+                    pick_device)
+from prompts import problem_messages
 from rollout import EngineReflector, HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
-from runs import (RunLog, link_checkpoint, load_rank_state, load_trainer_state, prune_checkpoints, resolve_resume,
-                  route_library_logs, save_checkpoint, start_branch)
+from runs import (RunLog, StopSignal, link_checkpoint, load_rank_state, load_trainer_state, print_summary,
+                  prune_checkpoints, resolve_resume, route_library_logs, save_checkpoint, start_branch, time_summary)
 from verify import reward as verify_reward
 
 
@@ -176,163 +170,6 @@ class Config:
     run_name: str = ""  # default: <algo>-<date>-<time>
     resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
     verbose: bool = False  # True: engine and library logs on the console too (else in <run>/engine.log)
-
-
-def parse_overrides(cfg, argv):
-    """Apply --key=value overrides to a Config, checking names and types."""
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise SystemExit(f"arguments look like --key=value, got {arg!r}")
-        key, value = arg[2:].split("=", 1)
-        if key not in fields:
-            raise SystemExit(f"unknown setting {key!r}; settings: {', '.join(fields)}")
-        kind = type(getattr(cfg, key))
-        try:
-            if kind is bool:
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                parsed = value.lower() in ("true", "1")
-            else:
-                parsed = kind(value)
-        except ValueError:
-            raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
-        setattr(cfg, key, parsed)
-    return cfg
-
-
-def config_help():
-    """`python train.py --help`: every Config field with its type, default and the comment
-    beside it in the class, under the class's own section headings."""
-    entries, defaults = [], Config()  # (heading, None, None) | (--name=default, type, comment)
-    for line in inspect.getsource(Config).splitlines()[1:]:
-        text = line.strip()
-        name, colon, rest = text.partition(":")
-        if text.startswith("# ----"):
-            entries.append((text.strip("# -") + ":", None, None))
-        elif colon and name.isidentifier() and "=" in rest:
-            value = getattr(defaults, name)
-            entries.append((f"--{name}={value}", type(value).__name__, rest.split("  # ", 1)[1] if "  # " in rest else ""))
-    width = max(len(e[0]) for e in entries if e[1])
-    lines = ["usage: python train.py [--key=value ...]   (every GPU of a node: torchrun --nproc_per_node=N train.py ...)",
-             "The settings of train.Config with their defaults; the method and its formulas: docs/METHOD.md."]
-    for flag, kind, comment in entries:
-        lines += ["", flag] if kind is None else [f"  {flag:<{width}}  {kind:<5}  {comment}".rstrip()]
-    return "\n".join(lines)
-
-
-# Every enumerated and bounded setting, checked by check_config before anything loads.
-CHOICES = {
-    "device": ("auto", "cpu", "cuda"), "backend": ("vllm", "hf"), "reflector_backend": ("hf", "vllm"),
-    "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo"),
-    "adv_norm": ("group", "none"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
-    "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
-}
-AT_LEAST = {  # setting -> smallest allowed value
-    "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
-    "max_refills": 0, "eps_low": 0.0, "eps_high": 0.0, "dual_clip": 0.0, "kl_beta": 0.0, "ppo_epochs": 1,
-    "mini_batches": 1, "tis_cap": 0.0, "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1,
-    "gepa_parents": 1, "gepa_minibatch": 1, "gepa_max_iterations": 1, "max_template_chars": 1,
-    "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
-    "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
-    "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
-    "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
-    "keep_checkpoints": 0, "log_rollouts": 0,
-}
-POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
-            "reflector_timeout")  # > 0
-BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2")  # < 1
-AT_MOST_ONE = ("top_p", "gpu_memory_utilization")  # <= 1
-
-
-def check_config(cfg):
-    """Every setting's value, before any model loads: one line naming the flag, no traceback."""
-    for name, allowed in CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise SystemExit(f"--{name} is one of {' | '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
-    for name, low in AT_LEAST.items():
-        if getattr(cfg, name) < low:
-            raise SystemExit(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
-    for names, bad, rule in ((POSITIVE, lambda v: v <= 0, "> 0"), (BELOW_ONE, lambda v: v >= 1, "< 1"),
-                             (AT_MOST_ONE, lambda v: v > 1, "<= 1")):
-        for name in names:
-            if bad(getattr(cfg, name)):
-                raise SystemExit(f"--{name} must be {rule}, got {getattr(cfg, name)}")
-    if 0 < cfg.dual_clip <= 1:
-        raise SystemExit(f"--dual_clip is 0 (off) or > 1, got {cfg.dual_clip}")
-    if cfg.crm_low >= cfg.crm_high:
-        raise SystemExit(f"--crm_low ({cfg.crm_low}) must be below --crm_high ({cfg.crm_high})")
-    if cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean":
-        raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
-    if not cfg.reflector:
-        raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
-    chat_template_kwargs(cfg)
-    pick_device(cfg.device)
-    if cfg.seed_templates:
-        try:
-            gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--seed_templates: {e}") from None
-    if cfg.algo == "p2o":
-        try:  # a budget that cannot pay for one proposal would fail only at the first epoch's end
-            gepa.dev_cap(cfg, len(gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars))
-                         if cfg.seed_templates else 0)
-        except ValueError as e:
-            raise SystemExit(f"--gepa_budget: {e}") from None
-
-
-def chat_template_kwargs(cfg):
-    """--chat_template_kwargs as a dict ({} when empty); a clear error for anything but a JSON object."""
-    try:
-        kwargs = json.loads(cfg.chat_template_kwargs or "{}")
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r} ({e})") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r}")
-    return kwargs
-
-
-def pick_device(name):
-    """auto -> cuda when available, else cpu. Training keeps fp32 master weights and runs its
-    forward under bf16 autocast (autocast_bf16) on either device."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise SystemExit(f"--device is auto | cpu | cuda, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device=cuda, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def context_length(cfg, tokenizer, problems, chat_kwargs):
-    """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
-    its answer. Training and GEPA prompts: the longest data prompt + a template of
-    max_template_chars (counted as one token a character, plus the blank line) + max_tokens.
-    P²O reflection prompts: the meta-prompt with the longest problems and answers of the data, a
-    parent of max_template_chars, answers and extracted answers cut to reflect_answer_chars
-    (one token a character) + reflect_max_tokens."""
-    if cfg.max_model_len:
-        return cfg.max_model_len
-    longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
-                         for p in problems)
-    need = longest_prompt + cfg.max_template_chars + 2 + cfg.max_tokens
-    if cfg.algo == "p2o":
-        longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
-        records = [gepa.reflection_record(p, "", cfg.reflect_answer_chars) for p in longest]
-        messages = [{"role": "user", "content": gepa.meta_prompt("", records)},
-                    {"role": "assistant", "content": gepa.DELIM_OPEN}]
-        cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # parent, answers, extracted
-        need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + cut_text + cfg.reflect_max_tokens)
-    return need
-
-
-def hold_out(problems, n, seed):
-    """(train, dev): n problems drawn (seeded, own stream) as an in-distribution dev set, the rest to train."""
-    if not 0 < n < len(problems):
-        raise SystemExit(f"--dev_holdout={n} must be between 1 and {len(problems) - 1} (the train set has {len(problems)})")
-    order = random.Random(f"holdout/{seed}").sample(range(len(problems)), len(problems))
-    held = set(order[:n])
-    return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
 
 
 # ----------------------------------------------------------------------------- state and records
@@ -556,11 +393,11 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
 
 
 def pre_update_pass(rows, policy, reference, cfg, pad_id):
-    """Rows -> right-padded micro-batches (micro_chunks) holding what the loss needs besides the
+    """Rows -> right-padded micro-batches (grpo.micro_chunks) holding what the loss needs besides the
     training forward: the rows' CRM weights and engine log-probs laid out on the batch, and from
     no-grad forwards with the pre-update weights, old log-probs (only when a later optimizer
     step of this call needs them) and the frozen reference's (kl_beta > 0)."""
-    chunks = micro_chunks(rows, cfg.micro_batch_size, cfg.shared_prompt)
+    chunks = grpo.micro_chunks(rows, cfg.micro_batch_size, cfg.shared_prompt)
     batches, device = [], next(policy.parameters()).device
     with torch.no_grad(), autocast(cfg, device):
         for i in range(dist.all_max(len(chunks))):  # FSDP lock-step: as many micro-batches on every rank
@@ -677,28 +514,6 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
             optimizer.step()
     return Update(True, sum(losses) / len(losses), grad_norm, n_trained,
                   dist.sum_counters(sums, ("mismatch_abs_max",)))
-
-
-def micro_chunks(rows, size, shared):
-    """Rows -> micro-batches of at most `size` rows. Unshared: sorted by length (less padding).
-    Shared (grpo.pack_rows): the rows of one prompt stay together -- a group under x, or the
-    rollouts of one template under x~ in the ablation -- and whole such segments fill each
-    micro-batch (a segment longer than `size` is cut), similar lengths together."""
-    if not shared:
-        rows = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.response_ids))
-        return [rows[i:i + size] for i in range(0, len(rows), size)]
-    segments = {}
-    for r in rows:
-        segments.setdefault(tuple(r.prompt_ids), []).append(r)
-    pieces = [seg[i:i + size] for seg in segments.values() for i in range(0, len(seg), size)]
-    pieces.sort(key=lambda piece: len(piece[0].prompt_ids) + sum(len(r.response_ids) for r in piece))
-    chunks = []
-    for piece in pieces:
-        if chunks and len(chunks[-1]) + len(piece) <= size:
-            chunks[-1] = chunks[-1] + piece
-        else:
-            chunks.append(piece)
-    return chunks
 
 
 def step_metrics(state, groups, update, info, lr, cfg):
@@ -828,24 +643,6 @@ def end_epoch(run, search=True):
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
-class StopSignal:
-    """SIGINT / SIGTERM: finish the step in flight, save a checkpoint, exit. A second signal stops at once."""
-
-    def __init__(self):
-        self.signal = None
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum, frame):
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signum
-        print(f"\nsignal {signum}: finishing this step, saving a checkpoint, exiting")
-
-    def restore(self):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
@@ -1101,12 +898,11 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     GEPA scores with the same function), `reflector` (anything with reflect(prompts) ->
     [(text, finished) | None], e.g. a scripted one; default: the one --reflector names).
 
-    Under `torchrun --nproc_per_node=N train.py` the same loop runs on N processes: the
-    policy is sharded (FSDP2), each rank generates its share of a step's prompts with its own
-    engine, every rank then holds all groups (so hard-prompt mining, DAPO refills and the
-    accounting are the same everywhere), trains on its share of the groups with global loss
-    denominators, and pushes the gathered weights into its engine. Rank 0 alone runs GEPA,
-    logs and writes files; the loop state it leaves is broadcast to the others."""
+    Under torchrun the same loop runs on N processes: the policy is sharded (FSDP2), each rank
+    generates its share of a step's prompts with its own engine, every rank then holds all
+    groups (mining, DAPO refills and accounting agree everywhere), trains on its share with
+    global loss denominators and pushes the gathered weights into its engine. Rank 0 alone
+    runs GEPA, logs and writes files; the loop state it leaves is broadcast to the others."""
     cfg, resume_path, saved = resume_point(cfg, given)
     check_config(cfg)
     reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
@@ -1160,7 +956,8 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
             run.engine.close()
         dist.teardown()
     if is_main:
-        print_summary(run.run_dir, state, records, len(run.dev_set))
+        print_summary(run.run_dir, state.counts, generated_tokens(state.counts), state.gepa_history, records,
+                      len(run.dev_set))
         print(time_summary(run.seconds, time.perf_counter() - run.started))
     return {"step": state.step, "checkpoint": final_path, "policy": run.policy, "counts": state.counts,
             "gepa_history": state.gepa_history, "dev": records, "state": state}
@@ -1181,28 +978,9 @@ def budget_spent(state, cfg):
     return cfg.max_gen_tokens > 0 and generated_tokens(state.counts) >= cfg.max_gen_tokens
 
 
-def time_summary(seconds, total):
-    """'wall time 890 s: generate 293 (33%), train 221 (25%), ...' -- where this run's time went."""
-    parts = sorted(seconds.items(), key=lambda kv: -kv[1]) + [("other", total - sum(seconds.values()))]
-    return f"wall time {total:.0f} s: " + ", ".join(f"{k} {v:.0f} ({v / max(total, 1e-9):.0%})" for k, v in parts)
-
-
-def print_summary(run_dir, state, dev_records, dev_size):
-    print(f"curves: {plot_run(run_dir)}")
-    c = state.counts
-    gepa_tokens = generated_tokens(c) - c["train_tokens"]
-    print(f"compute: {json.dumps(dict(c))}; GEPA share of generated tokens "
-          f"{gepa_tokens / max(1, generated_tokens(c)):.3f}")
-    if state.gepa_history:
-        print(f"P²O epochs: {json.dumps(state.gepa_history)}")
-    if len(dev_records) > 1:  # from dev.jsonl, so a resumed run reports its whole branch
-        print(f"dev greedy accuracy: {dev_records[0]['greedy']:.3f} before (step {dev_records[0]['step']}) -> "
-              f"{dev_records[-1]['greedy']:.3f} after (step {dev_records[-1]['step']}; {dev_size} problems)")
-
-
 def main(argv):
     if {"-h", "--help"} & set(argv):
-        print(config_help())
+        print(config_help(Config))
         return
     cfg = parse_overrides(Config(), argv)
     train(cfg, given={arg[2:].split("=", 1)[0] for arg in argv})  # on resume, the flags win over the saved settings

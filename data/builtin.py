@@ -8,7 +8,7 @@ Each level enumerates all of its problems, drops the few-shot examples of prompt
 with the seed and deals them out to the splits, so no problem appears in two splits. Rows look
 like {"id": "builtin-add2-00017", "problem": "What is 38 + 45?", "answer": "83",
 "solution": "38 + 45 = 83.", "source": "builtin/add2"}. The measured success rate of the
-default model per level is in the README.
+default model per level is in docs/TASKS.md.
 """
 
 import argparse
@@ -61,7 +61,7 @@ def two_step():
                f"Multiplication first: {b} × {c} = {b * c}; then {a} + {b * c} = {a + b * c}.")
 
 
-LEVELS = {  # easy -> hard for the default model (measured: README)
+LEVELS = {  # easy -> hard for the default model (measured: docs/TASKS.md)
     "add1": add1, "mul1": mul1, "add2": add2, "units": units, "add3": add3, "two_step": two_step,
 }
 

@@ -7,7 +7,7 @@ of its small unit), which appears in no problem and in no pretraining corpus: on
 can carry it. So plain GRPO gets (almost) no signal here (every group fails), while P²O can
 sample with the rule in context and distil the successes into the untemplated policy.
 Untemplated test accuracy then measures knowledge the policy internalised, not a prompt
-(README, "Evidence").
+(docs/EVIDENCE.md).
 
 Ten made-up unit pairs sharing the rule, n = 2..9 of the big unit: 80 problems, dealt per pair
 (seeded) into 4 train, 1 dev and 3 test problems, so every pair appears in every split while no
@@ -23,7 +23,7 @@ steps. Without a template, 11 was guessed 4 times in 1,280; 13, 17 and 23 never,
 rules gave 0.083, 0.059 and 0.008. One rule, not one fact per pair, because P²O assigns the
 few templates GEPA keeps to every hard prompt: with a fact per pair (factors 11-25) GEPA kept
 1-3 of them and most hard prompts were sampled under another pair's fact, and several facts in
-one template hurt (the model recites the list). Earlier designs and their measurements: README, "Evidence".
+one template hurt (the model recites the list). Earlier designs and their measurements: docs/EVIDENCE.md.
 """
 
 import argparse

@@ -72,7 +72,7 @@ class Task:
 
 BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
 TASKS = {
-    # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, README)
+    # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, docs/EVIDENCE.md)
     "natural": Task("builtin-train", "builtin-dev", "builtin-test", "data/builtin/human_templates.txt",
                     BASELINES, budget=15_000, train_per_source=8),
     # the mechanism test: the conversion rule exists only in a template; GRPO alone gets no signal
@@ -90,7 +90,7 @@ ARMS = {  # train.py settings of each arm, on top of the shared ones
     "p2o_human_no_crm": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm": False},
     "p2o_human_same_template": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "same_template_per_group": True},
 }
-SHARED = {  # every arm, every task (sizes: README "Evidence")
+SHARED = {  # every arm, every task (sizes: docs/EVIDENCE.md)
     "prompts_per_step": 8, "group_size": 6, "max_tokens": 96, "epochs": 1000, "eval_every": 4, "eval_k": 0,
     "save_every": 4, "keep_checkpoints": 1, "gepa_min_hard": 4, "gepa_budget": 120, "gepa_parents": 4,
 }

@@ -11,7 +11,7 @@ is what training computes. Run it on the starting model to see what the first
 distillation step would mask. On the fictional task it shows the mechanism's failure mode: the
 token that carries the template-only fact (the 3 of "13") is the one the template makes
 thousands of times likelier, so the mask drops exactly what distillation should move
-(README, "Evidence").
+(docs/EVIDENCE.md).
 """
 
 import argparse

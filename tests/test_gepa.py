@@ -320,7 +320,7 @@ def test_a_budget_too_small_for_one_proposal_raises():
 
 
 def test_auto_budget_matches_the_reference_presets_by_hand():
-    # heavy_4 on 300 dev items, the figure the README quotes: C 72 -> N = max(4 log2 72, 108) = 108
+    # heavy_4 on 300 dev items, the figure docs/GPU.md quotes: C 72 -> N = max(4 log2 72, 108) = 108
     assert auto_budget("heavy_4", 300) == 300 + 72 * 5 + 108 * 35 + ((108 + 1) // 5 + 1) * 300 == 11040
     # light: C 6 -> N = int(max(4 log2 6 = 10.34, 9)) = 10 -> V + 30 + 350 + (11 // 5 + 1) V = 4 V + 380
     assert auto_budget("light", 50) == 4 * 50 + 380

@@ -1,0 +1,179 @@
+"""train.py's settings: the command line, --help, and every value checked before anything loads.
+
+`train.Config` (the top of train.py) holds the settings; here they are read, described and
+checked, and turned into what the run needs (device, chat-template arguments, vLLM's context,
+a held-out dev set):
+
+    cfg = parse_overrides(Config(), ["--lr=1e-6", "--group_size=12"])   # types checked
+    check_config(cfg)             # SystemExit naming the flag: "--adv_norm is one of 'group' | 'none', got 'z'"
+    print(config_help(Config))    # python train.py --help
+"""
+
+import dataclasses
+import inspect
+import json
+import random
+
+import torch
+
+import gepa
+import grpo
+from prompts import FORMATS, problem_messages
+from rollout import encode_prompt
+
+
+def parse_overrides(cfg, argv):
+    """Apply --key=value overrides to a Config, checking names and types."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise SystemExit(f"arguments look like --key=value, got {arg!r}")
+        key, value = arg[2:].split("=", 1)
+        if key not in fields:
+            raise SystemExit(f"unknown setting {key!r}; settings: {', '.join(fields)}")
+        kind = type(getattr(cfg, key))
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                parsed = value.lower() in ("true", "1")
+            else:
+                parsed = kind(value)
+        except ValueError:
+            raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
+        setattr(cfg, key, parsed)
+    return cfg
+
+
+def config_help(config_class):
+    """`python train.py --help`: every field of train.Config with its type, default and the
+    comment beside it in the class, under the class's own section headings."""
+    entries, defaults = [], config_class()  # (heading, None, None) | (--name=default, type, comment)
+    for line in inspect.getsource(config_class).splitlines()[1:]:
+        text = line.strip()
+        name, colon, rest = text.partition(":")
+        if text.startswith("# ----"):
+            entries.append((text.strip("# -") + ":", None, None))
+        elif colon and name.isidentifier() and "=" in rest:
+            value = getattr(defaults, name)
+            entries.append((f"--{name}={value}", type(value).__name__, rest.split("  # ", 1)[1] if "  # " in rest else ""))
+    width = max(len(e[0]) for e in entries if e[1])
+    lines = ["usage: python train.py [--key=value ...]   (every GPU of a node: torchrun --nproc_per_node=N train.py ...)",
+             "The settings of train.Config with their defaults; the method and its formulas: docs/METHOD.md."]
+    for flag, kind, comment in entries:
+        lines += ["", flag] if kind is None else [f"  {flag:<{width}}  {kind:<5}  {comment}".rstrip()]
+    return "\n".join(lines)
+
+
+# Every enumerated and bounded setting, checked by check_config before anything loads.
+CHOICES = {
+    "device": ("auto", "cpu", "cuda"), "backend": ("vllm", "hf"), "reflector_backend": ("hf", "vllm"),
+    "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo"),
+    "adv_norm": ("group", "none"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
+    "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
+}
+AT_LEAST = {  # setting -> smallest allowed value
+    "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
+    "max_refills": 0, "eps_low": 0.0, "eps_high": 0.0, "dual_clip": 0.0, "kl_beta": 0.0, "ppo_epochs": 1,
+    "mini_batches": 1, "tis_cap": 0.0, "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1,
+    "gepa_parents": 1, "gepa_minibatch": 1, "gepa_max_iterations": 1, "max_template_chars": 1,
+    "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
+    "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
+    "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
+    "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
+    "keep_checkpoints": 0, "log_rollouts": 0,
+}
+POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
+            "reflector_timeout")  # > 0
+BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2")  # < 1
+AT_MOST_ONE = ("top_p", "gpu_memory_utilization")  # <= 1
+
+
+def check_config(cfg):
+    """Every setting's value, before any model loads: one line naming the flag, no traceback."""
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise SystemExit(f"--{name} is one of {' | '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
+    for name, low in AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            raise SystemExit(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
+    for names, bad, rule in ((POSITIVE, lambda v: v <= 0, "> 0"), (BELOW_ONE, lambda v: v >= 1, "< 1"),
+                             (AT_MOST_ONE, lambda v: v > 1, "<= 1")):
+        for name in names:
+            if bad(getattr(cfg, name)):
+                raise SystemExit(f"--{name} must be {rule}, got {getattr(cfg, name)}")
+    if 0 < cfg.dual_clip <= 1:
+        raise SystemExit(f"--dual_clip is 0 (off) or > 1, got {cfg.dual_clip}")
+    if cfg.crm_low >= cfg.crm_high:
+        raise SystemExit(f"--crm_low ({cfg.crm_low}) must be below --crm_high ({cfg.crm_high})")
+    if cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean":
+        raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
+    if not cfg.reflector:
+        raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
+    chat_template_kwargs(cfg)
+    pick_device(cfg.device)
+    if cfg.seed_templates:
+        try:
+            gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--seed_templates: {e}") from None
+    if cfg.algo == "p2o":
+        try:  # a budget that cannot pay for one proposal would fail only at the first epoch's end
+            gepa.dev_cap(cfg, len(gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars))
+                         if cfg.seed_templates else 0)
+        except ValueError as e:
+            raise SystemExit(f"--gepa_budget: {e}") from None
+
+
+def chat_template_kwargs(cfg):
+    """--chat_template_kwargs as a dict ({} when empty); a clear error for anything but a JSON object."""
+    try:
+        kwargs = json.loads(cfg.chat_template_kwargs or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r} ({e})") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r}")
+    return kwargs
+
+
+def pick_device(name):
+    """auto -> cuda when available, else cpu. Training keeps fp32 master weights and runs its
+    forward under bf16 autocast (autocast_bf16) on either device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise SystemExit(f"--device is auto | cpu | cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def context_length(cfg, tokenizer, problems, chat_kwargs):
+    """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
+    its answer. Training and GEPA prompts: the longest data prompt + a template of
+    max_template_chars (counted as one token a character, plus the blank line) + max_tokens.
+    P²O reflection prompts: the meta-prompt with the longest problems and answers of the data, a
+    parent of max_template_chars, answers and extracted answers cut to reflect_answer_chars
+    (one token a character) + reflect_max_tokens."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
+                         for p in problems)
+    need = longest_prompt + cfg.max_template_chars + 2 + cfg.max_tokens
+    if cfg.algo == "p2o":
+        longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
+        records = [gepa.reflection_record(p, "", cfg.reflect_answer_chars) for p in longest]
+        messages = [{"role": "user", "content": gepa.meta_prompt("", records)},
+                    {"role": "assistant", "content": gepa.DELIM_OPEN}]
+        cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # parent, answers, extracted
+        need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + cut_text + cfg.reflect_max_tokens)
+    return need
+
+
+def hold_out(problems, n, seed):
+    """(train, dev): n problems drawn (seeded, own stream) as an in-distribution dev set, the rest to train."""
+    if not 0 < n < len(problems):
+        raise SystemExit(f"--dev_holdout={n} must be between 1 and {len(problems) - 1} (the train set has {len(problems)})")
+    order = random.Random(f"holdout/{seed}").sample(range(len(problems)), len(problems))
+    held = set(order[:n])
+    return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
