@@ -112,15 +112,15 @@ def check_config(cfg):
         raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)
     pick_device(cfg.device)
+    seeds = []
     if cfg.seed_templates:
         try:
-            gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars)
+            seeds = gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars)
         except (OSError, ValueError) as e:
             raise SystemExit(f"--seed_templates: {e}") from None
     if cfg.algo == "p2o":
         try:  # a budget that cannot pay for one proposal would fail only at the first epoch's end
-            gepa.dev_cap(cfg, len(gepa.read_seed_templates(cfg.seed_templates, cfg.max_template_chars))
-                         if cfg.seed_templates else 0)
+            gepa.dev_cap(cfg, len(seeds))
         except ValueError as e:
             raise SystemExit(f"--gepa_budget: {e}") from None
 
