@@ -12,6 +12,7 @@ a held-out dev set):
 import dataclasses
 import inspect
 import json
+import os
 import random
 
 import torch
@@ -81,7 +82,7 @@ AT_LEAST = {  # setting -> smallest allowed value
     "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
     "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
     "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
-    "keep_checkpoints": 0, "log_rollouts": 0,
+    "keep_checkpoints": 0, "log_rollouts": 0, "cpu_threads": 0,
 }
 POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
             "reflector_timeout")  # > 0
@@ -168,6 +169,36 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
         cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # parent, answers, extracted
         need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + cut_text + cfg.reflect_max_tokens)
     return need
+
+
+SHARED_PROMPT_CUDA_MAX = 4096  # response tokens a packed micro-batch may hold on CUDA (micro_batch_size x max_tokens)
+
+
+def shared_prompt_refusal(cfg, device_type):
+    """Why --shared_prompt must be off on this device, or None. The packed sequence of a
+    micro-batch (its prompt once, then up to micro_batch_size responses of up to max_tokens)
+    carries a dense [L, L] attention mask, which keeps CUDA's SDPA off its fused kernels:
+    measured on an H200 with 8 x 64-1,024-token answers, packing was 1.32x slower than rows
+    (docs/GPU.md). Past SHARED_PROMPT_CUDA_MAX response tokens it is turned off on CUDA; the
+    CPU keeps it (there it is the faster layout)."""
+    packed = cfg.micro_batch_size * cfg.max_tokens
+    if device_type == "cuda" and cfg.shared_prompt and packed > SHARED_PROMPT_CUDA_MAX:
+        return (f"a packed micro-batch would hold up to {cfg.micro_batch_size} x {cfg.max_tokens} = {packed} response "
+                f"tokens under a dense [L, L] mask, over the {SHARED_PROMPT_CUDA_MAX} allowed on CUDA (docs/GPU.md)")
+    return None
+
+
+def cpu_threads(setting, cores=None, local_world=None):
+    """torch's CPU threads for a GPU process: `setting` when > 0, else this process's cores
+    (its CPU affinity) shared among the node's processes (LOCAL_WORLD_SIZE, set by torchrun).
+    vLLM cuts torch to one thread when OMP_NUM_THREADS is unset, and torchrun sets it to 1:
+    either way the trainer's CPU work (push checksums of CPU tensors, the CPU snapshot) would
+    run on one core of a node that has dozens."""
+    if setting > 0:
+        return setting
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
+    return max(1, cores // max(1, local_world))
 
 
 def hold_out(problems, n, seed):

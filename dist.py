@@ -195,17 +195,35 @@ def shard(model, reshard_after_forward=True, forward_methods=()):
     return model
 
 
-def full_state_dict(model):
-    """{HF name: full tensor} on EVERY rank (each rank pushes weights into its own inference
-    engine; rank 0 also saves). cpu_offload=False on purpose: with cpu_offload=True only rank 0
-    would receive tensors. The tensors sit on the model's device; the keys are the plain module
-    names (fully_shard adds no prefix), tied weights under both names as in model.state_dict().
-    Single process: model.state_dict() itself (no copies)."""
+def full_state_dict(model, main_only=False):
+    """{HF name: full tensor}. Keys are the plain module names (fully_shard adds no prefix), tied
+    weights under both names as in model.state_dict(). Single process: model.state_dict() itself
+    (no copies). Under torchrun a collective that gathers every parameter:
+    - main_only=False: on EVERY rank, on the model's device (the whole fp32 model per rank);
+    - main_only=True: on rank 0 only, in CPU memory ({} elsewhere): what a checkpoint or rank 0's
+      GEPA round needs, without a GPU copy of the whole model on any rank.
+    To push weights into an engine, stream them instead (full_parameters)."""
     if not active():
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=main_only))
+
+
+def full_parameters(model, dtype=None):
+    """(HF name, full tensor) for each parameter, one at a time, cast to `dtype` (None: as
+    stored). Under FSDP2 each parameter's shard is cast first, then gathered (`full_tensor()`,
+    a collective per parameter: every rank must consume the whole generator, in step), so a
+    rank holds one full parameter at a time, never the whole model. A tied LM head is the
+    embedding and comes once, under the embedding's name (named_parameters drops the duplicate).
+    Single process: the parameters themselves (no copy when dtype matches)."""
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):  # DTensor: an FSDP2 shard
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
 def optimizer_state(optimizer):

@@ -127,6 +127,24 @@ def format_table(rows):
     return "\n".join([fmt.format(*header)] + [fmt.format(*line) for line in lines])
 
 
+def eval_context(model_path, problems, args, template=""):
+    """vLLM's max_model_len for this evaluation: --max_model_len, or the longest prompt (with
+    the template and prompt format) plus --max_tokens, so that every answer may reach
+    --max_tokens. A given context too short for that is an error, not a silent cut."""
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
+
+    from rollout import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    longest = max(len(encode_prompt(tokenizer, problem_messages(p, template, fmt=args.prompt_format)))
+                  for p in problems)
+    need = longest + args.max_tokens
+    if args.max_model_len and args.max_model_len < need:
+        raise SystemExit(f"--max_model_len={args.max_model_len} cannot hold the longest prompt ({longest} tokens) "
+                         f"and --max_tokens={args.max_tokens}: answers would be cut; use at least {need} (or 0)")
+    return args.max_model_len or need
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="HF id, local folder, or the shipped default")
@@ -141,6 +159,9 @@ def main(argv=None):
     ap.add_argument("--prompt_format", default="default", choices=FORMATS, help="as train.py's --prompt_format")
     ap.add_argument("--template", default="", help="a template applied to every problem: TEXT, or @PATH (the "
                     "file's first template, one per line as train.py's --seed_templates)")
+    ap.add_argument("--max_model_len", type=int, default=0, help="vLLM context; 0: the longest prompt of the data + "
+                    "--max_tokens, so that no answer is cut short by the context")
+    ap.add_argument("--enforce_eager", action="store_true", help="GPU: vLLM without CUDA graphs (starts faster)")
     ap.add_argument("--skip_bad", action="store_true", help="skip malformed data rows (counted)")
     ap.add_argument("--out", default=None, help="results JSON (default out/eval-<time>.json)")
     args = ap.parse_args(argv)
@@ -162,8 +183,12 @@ def main(argv=None):
     # under torchrun each rank answers every world-th problem with its own engine; rank 0 merges and writes
     rank, world, _ = dist.setup("cuda" if torch.cuda.is_available() else "cpu")
     model_path = resolve_model(args.model)
-    launcher = {"external_launcher": dist.active()} if args.backend == "vllm" else {}  # torchrun: one engine a rank
-    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed + rank, **launcher)
+    options = {"rank": rank}  # seeded samples differ between ranks (the engine adds its rank)
+    if args.backend == "vllm":  # torchrun: one engine a rank
+        problems = [p for ps in benchmarks.values() for p in ps]
+        options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager,
+                       max_model_len=eval_context(model_path, problems, args, template))
+    engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed, **options)
     out = args.out or os.path.join("out", f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results, all_records, table = {}, {}, {}
     for name, problems in benchmarks.items():
@@ -172,7 +197,7 @@ def main(argv=None):
             print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else "")
                   + (f", over {world} processes" if world > 1 else ""))
         mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
-                              args.max_tokens, seed=args.seed + rank, prompt_format=args.prompt_format,
+                              args.max_tokens, seed=args.seed, prompt_format=args.prompt_format,
                               template=template)
         records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)

@@ -26,12 +26,20 @@ or another local model) and `OpenAIReflector`, a model behind an OpenAI-compatib
 more object with that method.
 
 The vLLM engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `push_weights`
-can hand tensors to its worker without serialising them. Pushes are verified by comparing float64
-checksums (count, sum, sum of squares, all order-independent) of the engine's parameters with
-those of the pushed tensors cast to the engine dtype: a push that loaded nothing, or the wrong
-values, raises WeightPushError instead of letting generation continue on stale weights.
+can hand tensors to its worker without serialising them. A push streams (name, tensor) pairs one
+at a time (`dist.full_parameters` gathers one FSDP parameter at a time), so no full copy of the
+model is ever held. Pushes are verified by comparing float64 checksums (count, sum, sum of
+squares, all order-independent) of the engine's parameters with those of the tensors as they
+went in, cast to the engine dtype: a push that loaded nothing, or the wrong values, raises
+WeightPushError instead of letting generation continue on stale weights.
+
+Seeds (`seed_requests`): a seeded call is reproducible and differs between the ranks of a
+torchrun job. On CUDA every request carries its own `SamplingParams(seed=...)`, derived from
+(call seed, rank, request index, child); on vLLM-CPU, which crashes on per-request seeds, the
+global torch generator is seeded instead (details in `seed_requests`).
 """
 
+import hashlib
 import json
 import os
 import time
@@ -80,15 +88,19 @@ def encode_prompt(tokenizer, prompt, chat_template_kwargs=None):
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def checksum(tensors, dtype):
+def checksum(tensors, dtype, chunk=1 << 24):
     """(count, sum, sum of squares) of tensors cast to `dtype`, accumulated in float64; all
-    three are independent of element order, so a fused or repacked copy has the same values."""
+    three are independent of element order, so a fused or repacked copy has the same values.
+    Taken `chunk` elements at a time: vector_norm casts its input to float64 first, which for a
+    whole 4B model's embedding would be a 3.1 GB copy; a chunk's is 128 MB."""
     count, total, squares = 0, 0.0, 0.0
     for t in tensors:
-        t = t.detach().to(dtype)
-        count += t.numel()
-        total += t.sum(dtype=torch.float64).item()  # accumulated in float64 without a float64 copy
-        squares += torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2
+        flat = t.detach().reshape(-1)
+        count += flat.numel()
+        for part in flat.split(chunk):
+            part = part.to(dtype)
+            total += part.sum(dtype=torch.float64).item()  # accumulated in float64 without a copy
+            squares += torch.linalg.vector_norm(part, dtype=torch.float64).item() ** 2
     return count, total, squares
 
 
@@ -96,10 +108,8 @@ def _engine_checksums(worker):
     """Runs inside the vLLM worker (collective_rpc): per-parameter checksums of the live model.
     Parameters emptied by a backend that repacked them (vLLM-CPU's oneDNN linears) are skipped."""
     model = worker.model_runner.get_model()
-    params = {n: p for n, p in model.named_parameters() if p.numel() > 0}
-    dtype = next(iter(params.values())).dtype
-    sums = {n: checksum([p], dtype) for n, p in params.items()}
-    return sums, str(dtype), dict(getattr(model, "packed_modules_mapping", {}))
+    sums = {n: checksum([p], p.dtype) for n, p in model.named_parameters() if p.numel() > 0}
+    return sums, dict(getattr(model, "packed_modules_mapping", {}))
 
 
 def _refresh_packed_copies(worker):
@@ -138,6 +148,27 @@ def _sampled_logprob(entry, token_id):
     return entry[token_id].logprob
 
 
+def named_tensors(weights):
+    """A state dict, or an iterable of (name, tensor) pairs (e.g. dist.full_parameters), as pairs."""
+    return weights.items() if isinstance(weights, dict) else weights
+
+
+def request_seed_base(seed, rank):
+    """The first per-request seed of a call seeded `seed` on `rank`: a 48-bit hash of both, so
+    that calls with nearby seeds (consecutive steps) or on other ranks start far apart and the
+    seeds of one call (base + 0, 1, 2, ...) never run into another call's."""
+    digest = hashlib.blake2b(f"{seed}/{rank}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
+
+
+def generator_seed(seed, rank):
+    """The torch generator seed of a seeded call on `rank` (vLLM-CPU, HF generate): the call
+    seed itself on rank 0 (what a single process uses), request_seed_base(seed, rank) on the
+    others. Not seed + rank x a large stride: torch's CPU generator (mt19937) keeps only the
+    low 32 bits of its seed, so such ranks would draw the same stream."""
+    return seed if rank == 0 else request_seed_base(seed, rank)
+
+
 class VLLMRollout:
     """In-process vLLM engine. CPU defaults (KV cache size, no reserved core) come from
     `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead, and with
@@ -145,31 +176,67 @@ class VLLMRollout:
     external_launcher: the process was started by torchrun and is one of several trainers,
     each with its own engine (tensor parallel size 1): vLLM then places this engine on the
     rank's own device (LOCAL_RANK) and joins the process group torchrun set up instead of
-    starting its own."""
+    starting its own. `rank` makes seeded calls differ between ranks (seed_requests); the engine
+    itself is seeded with seed + rank. enforce_eager: no CUDA graphs (vLLM-CPU always runs eager:
+    its compiled mode took ~110 s to start here for little gain). `llm`: an LLM already built
+    (tests pass a stand-in), with `cpu` saying which platform it behaves as."""
 
     def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gib=1,
                  gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None,
-                 external_launcher=False, progress_bars=True):
+                 external_launcher=False, progress_bars=True, rank=0, llm=None, cpu=None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        from vllm import LLM  # lazy: importing vLLM takes seconds and is not needed by the HF backend
-        from vllm.platforms import current_platform
+        if cpu is None:
+            from vllm.platforms import current_platform  # lazy: importing vLLM takes seconds
 
-        self.is_cpu = current_platform.is_cpu()
+            cpu = current_platform.is_cpu()
+        self.is_cpu, self.rank = cpu, rank
         self.sleep_level = 0 if self.is_cpu else sleep_level  # vLLM-CPU has no sleep mode
-        kwargs = {} if self.is_cpu else {"gpu_memory_utilization": gpu_memory_utilization,
-                                         "enable_sleep_mode": self.sleep_level > 0}
-        if external_launcher:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                       use_tqdm_on_load=progress_bars, **kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
+        if llm is None:
+            from vllm import LLM
+
+            kwargs = {} if self.is_cpu else {"gpu_memory_utilization": gpu_memory_utilization,
+                                             "enable_sleep_mode": self.sleep_level > 0}
+            if external_launcher:
+                kwargs["distributed_executor_backend"] = "external_launcher"
+            llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed + rank,
+                      enforce_eager=enforce_eager or self.is_cpu, logprobs_mode="processed_logprobs",
+                      use_tqdm_on_load=progress_bars, **kwargs)
+        self.llm = llm
+        self.tokenizer = llm.get_tokenizer()
         self.chat_template_kwargs = chat_template_kwargs
-        self.asleep = False
-        self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
-                                            "tie_word_embeddings", False))
+        self.asleep = set()  # what sleep() released: "weights", "kv_cache"
+        model_config = llm.llm_engine.model_config
+        self.dtype = model_config.dtype  # the engine's weights (a torch dtype once vLLM resolved "auto")
+        self.tied_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        self.pushes = 0
+
+    def seed_requests(self, params, seed):
+        """The one place a generate call is seeded (seed None: unseeded).
+
+        CUDA (Model Runner V2 samples with a hash of a per-request seed; an unseeded request
+        draws its seed from numpy, seeded alike on every rank): request i gets
+        request_seed_base(seed, rank) + the number of samples of the requests before it, and
+        vLLM gives its child j that seed + j (v1/engine/parallel_sampling.py). Every sample of a
+        call has its own seed, independent of batching and of what the prefix cache holds.
+
+        vLLM-CPU: per-request seeds crash vLLM-CPU 0.32 whenever chunked prefill discards a
+        sampled token ("CPU Generator does not use offset"). The engine runs in this process and
+        samples from torch's global generator, so seeding that (generator_seed(seed, rank))
+        makes a call reproducible. Its draws depend on how the scheduler batches requests, which
+        depends on what the prefix cache holds: empty it so that equal calls are scheduled,
+        hence sampled, identically."""
+        if seed is None:
+            return
+        if not self.is_cpu:
+            offset, base = 0, request_seed_base(seed, self.rank)
+            for p in params:
+                p.seed = base + offset
+                offset += p.n
+            return
+        self.llm.reset_prefix_cache()
+        torch.manual_seed(generator_seed(seed, self.rank))
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
                  logprobs=False, ignore_eos=False, progress=False, stop=None):
@@ -182,15 +249,7 @@ class VLLMRollout:
                                  logprobs=0 if logprobs else None, ignore_eos=ignore_eos,
                                  stop=stop, include_stop_str_in_output=True)
                   for k in _per_prompt(n, len(prompts))]
-        if seed is not None:
-            # The engine runs in this process and samples from torch's global generator, so
-            # seeding it makes a call reproducible. Per-request SamplingParams(seed=...) would
-            # be batch-independent, but crashes vLLM-CPU 0.32 whenever chunked prefill discards
-            # a sampled token ("CPU Generator does not use offset"). The draws depend on how
-            # the scheduler batches requests, which depends on what the prefix cache holds:
-            # empty it so that equal calls are scheduled, hence sampled, identically.
-            self.llm.reset_prefix_cache()
-            torch.manual_seed(seed)
+        self.seed_requests(params, seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
                                     use_tqdm=progress)
         groups = []
@@ -216,58 +275,85 @@ class VLLMRollout:
         while the trainer needs the memory. A no-op on the CPU or with sleep_level 0."""
         if self.sleep_level and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
+            self.asleep = {"weights", "kv_cache"}
 
-    def wake(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake(self, part=None):
+        """Map back what sleep() released: `part` ("weights" or "kv_cache") alone, or (None)
+        everything. The trainer's cached blocks go back to the GPU first, so that vLLM can
+        map its memory again (TRL and verl do the same)."""
+        parts = sorted(self.asleep) if part is None else [part] if part in self.asleep else []
+        if not parts:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=parts)
+        self.asleep -= set(parts)
 
-    def push_weights(self, state_dict):
-        """Load HF-named tensors into the running engine in place, then verify the load: every
-        readable engine parameter must equal (as float64 checksums) the tensors pushed into it,
-        cast to the engine dtype. On GPU that is every parameter; on vLLM-CPU the linear layers
-        are repacked into opaque oneDNN buffers, leaving embeddings and norms to check, plus a
-        probe that each remaining packed copy (the LM head) computes with its current weight."""
-        self.wake()
-        # fp32 tensors go in as they are: the engine casts each while copying it into its own
-        # parameter (measured 0.04 s for the default model), cheaper than a cast here (0.10 s)
-        items = [(k, v.detach()) for k, v in state_dict.items()
-                 if not (self.tied_embeddings and k == "lm_head.weight")]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    def push_weights(self, weights):
+        """Load HF-named tensors (a state dict, or (name, tensor) pairs consumed one at a time,
+        e.g. dist.full_parameters(policy)) into the running engine in place, then verify the load.
+
+        Order (TRL's and verl's): wake the weights only, stream the tensors in, each cast to
+        the engine dtype and checksummed as it goes, reset the prefix cache (its blocks were
+        computed with the old weights), then wake the KV cache: the KV cache is never mapped
+        while the trainer's tensors are. A tied LM head is the embedding: `lm_head.weight` is
+        not sent (the engine has no such parameter; sent, vLLM would warn once per push).
+
+        Verification: every readable engine parameter must equal (as float64 checksums) what
+        went into it. On GPU that is every parameter; on vLLM-CPU the linear layers are repacked
+        into opaque oneDNN buffers, leaving embeddings and norms to check, plus a probe that each
+        remaining packed copy (the LM head) computes with its current weight."""
+        self.wake("weights")
+        sent = {}  # HF name -> checksum of the tensor as it went in
+
+        def stream():
+            for name, tensor in named_tensors(weights):
+                if self.tied_embeddings and name == "lm_head.weight":
+                    continue
+                tensor = tensor.detach().to(self.dtype)
+                sent[name] = checksum([tensor], self.dtype)
+                yield name, tensor
+
+        items = stream()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        for _ in items:  # what a loader left untaken still counts as sent (and is gathered: FSDP lock-step)
+            pass
+        self.llm.reset_prefix_cache()
+        self.wake("kv_cache")
         if self.is_cpu:
             (stale,) = self.llm.collective_rpc(_refresh_packed_copies)
             if stale:
                 raise WeightPushError(f"packed GEMM copies of {stale} do not match their weights")
-        (got, dtype_name, mapping), = self.llm.collective_rpc(_engine_checksums)
-        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        (got, mapping), = self.llm.collective_rpc(_engine_checksums)
         pushed = {}
-        for k, v in items:
-            pushed.setdefault(engine_name(k, mapping), []).append(v)
+        for name, (count, total, squares) in sent.items():  # fused parameters (qkv_proj) add up their parts
+            c, t, s = pushed.get(engine_name(name, mapping), (0, 0.0, 0.0))
+            pushed[engine_name(name, mapping)] = (c + count, t + total, s + squares)
         for name, (count, total, squares) in got.items():
             if name not in pushed:
                 raise WeightPushError(f"engine parameter {name} was not in the pushed state dict")
-            e_count, e_total, e_squares = checksum(pushed[name], dtype)
+            e_count, e_total, e_squares = pushed[name]
             if count != e_count or abs(total - e_total) > 1e-9 * max(e_squares, 1.0) \
                     or abs(squares - e_squares) > 1e-9 * max(e_squares, 1.0):
                 raise WeightPushError(
                     f"engine parameter {name} does not hold the pushed values: "
                     f"(count, sum, sumsq) = {(count, total, squares)} vs {(e_count, e_total, e_squares)}")
-        return {"pushed": len(items), "verified": len(got)}
+        self.pushes += 1
+        return {"pushed": len(sent), "verified": len(got)}
 
 
 class HFRollout:
     """transformers `generate` on a local model; the reference backend and the fallback."""
 
     def __init__(self, model_path, dtype="float32", seed=0, batch_size=32, model=None, tokenizer=None,
-                 chat_template_kwargs=None):
+                 chat_template_kwargs=None, rank=0):
         from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_path)
         self.model = model or AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.eval()
-        self.batch_size = batch_size
+        self.shares_weights = model is not None  # a push into it changes the caller's model too
+        self.batch_size, self.rank = batch_size, rank
         self.chat_template_kwargs = chat_template_kwargs
         torch.manual_seed(seed)
         eos = self.model.generation_config.eos_token_id
@@ -277,8 +363,8 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
                  logprobs=False, ignore_eos=False, progress=False, stop=None):
-        if seed is not None:
-            torch.manual_seed(seed)
+        if seed is not None:  # as VLLMRollout on the CPU: ranks draw different streams
+            torch.manual_seed(generator_seed(seed, self.rank))
         ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
         counts = _per_prompt(n, len(prompts))
         flat = [x for x, k in zip(ids, counts) for _ in range(k)]  # groups contiguous
@@ -327,10 +413,19 @@ class HFRollout:
     def wake(self):
         pass
 
-    def push_weights(self, state_dict):
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        if unexpected or [k for k in missing if k != "lm_head.weight"]:
-            raise WeightPushError(f"missing {missing}, unexpected {unexpected}")
+    @torch.no_grad()
+    def push_weights(self, weights):
+        """Copy HF-named tensors (a state dict or (name, tensor) pairs, taken one at a time) into
+        the model; every parameter must arrive (a tied LM head is the embedding: lm_head.weight
+        may come or not)."""
+        params = dict(self.model.named_parameters())  # a tied head appears once, as the embedding
+        for name, tensor in named_tensors(weights):
+            if name in params:
+                params.pop(name).copy_(tensor)
+            elif name != "lm_head.weight":
+                raise WeightPushError(f"the model has no parameter {name}")
+        if params:
+            raise WeightPushError(f"not pushed: {sorted(params)}")
         return {"parameters": sum(p.numel() for p in self.model.parameters())}
 
 
@@ -366,8 +461,11 @@ class EngineReflector:
     def reflect(self, prompts):
         from gepa import DELIM_CLOSE, DELIM_OPEN  # the delimiters the guards parse
 
-        # a copy: when the engine shares the policy's tensors (HF backend), the swap overwrites them
-        current = {k: v.detach().clone() for k, v in self.restore.items()} if self.swap is not None else None
+        # an engine that holds the policy's own tensors (the HF backend in one process) would lose
+        # them to the swap: put back a copy. vLLM copies what it is pushed: `restore` as it is
+        current = self.restore
+        if self.swap is not None and getattr(self.engine, "shares_weights", False):
+            current = {k: v.detach().clone() for k, v in self.restore.items()}
         if self.swap is not None:
             self.engine.push_weights(self.swap)
         try:

@@ -67,7 +67,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
                 torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         link_checkpoint(run_dir, "latest", step)
         return path
-    weights = dist.full_state_dict(policy)
+    weights = dist.full_state_dict(policy, main_only=True)  # rank 0 writes them: gathered there, in CPU memory
     own_file = f"rank-{dist.rank()}.pt"
     if os.path.isdir(path):  # one file system: every rank sees the same folders
         write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))

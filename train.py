@@ -67,8 +67,8 @@ import grpo
 from data import load_jsonl
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model
-from config import (check_config, chat_template_kwargs, config_help, context_length, hold_out, parse_overrides,
-                    pick_device)
+from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, hold_out,
+                    parse_overrides, pick_device, shared_prompt_refusal)
 from prompts import problem_messages
 from rollout import EngineReflector, HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
 from runs import (RunLog, StopSignal, link_checkpoint, load_rank_state, load_trainer_state, print_summary,
@@ -89,7 +89,9 @@ class Config:
     max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (context_length)
     kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
     gpu_memory_utilization: float = 0.4  # GPU: share of the GPU vLLM may take; the trainer shares the GPU
-    vllm_sleep_level: int = 1  # GPU: while training, 1 = offload vLLM's weights and drop its KV cache, 0 = off
+    vllm_sleep_level: int = 1  # GPU: while training, 1 = offload vLLM's weights and drop its KV cache, 2 = drop both (re-pushed every step), 0 = off
+    enforce_eager: bool = False  # GPU: vLLM without CUDA graphs (starts faster, decodes slower); vLLM-CPU always runs eager
+    cpu_threads: int = 0  # GPU: torch CPU threads per process (0 = the cores this process may use / processes on the node); vLLM would leave 1
     algo: str = "p2o"  # p2o | grpo
     # ---- rollouts
     prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
@@ -344,7 +346,7 @@ def collect_groups(engine, stream, state, cfg, reward_fn):
         problems = stream.take(state.consumed, need)
         state.consumed += len(problems)
         t = time.perf_counter()
-        seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000 + dist.rank()  # exact resume
+        seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000  # exact resume; the engine adds its rank
         local = generate_groups(engine, dist.split(problems, dist.rank(), dist.world()), state.assignment, cfg, seed)
         info["generate"] += time.perf_counter() - t
         t = time.perf_counter()
@@ -471,6 +473,34 @@ def prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups):
     return parts, sums
 
 
+def _local(t):
+    """A tensor's own storage: an FSDP2 DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def cpu_snapshot(policy, optimizer):
+    """This rank's parameters (under FSDP2: its shards) and optimizer state, copied into CPU
+    memory: what policy_update puts back when a later optimizer step of the call is not finite.
+    A copy on the GPU would hold weights + AdamW moments twice (48 GB more for a 4B model on
+    one GPU); a CPU copy costs a device-to-host transfer per call of several optimizer steps."""
+    params = [_local(p.detach()).to("cpu", copy=True) for p in policy.parameters()]
+    state = optimizer.state_dict()  # references to the live tensors: copy them
+    state = {**state, "state": {i: {k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+                                    for k, v in s.items()} for i, s in state["state"].items()}}
+    return params, state
+
+
+@torch.no_grad()
+def restore_snapshot(policy, optimizer, snapshot):
+    """Put cpu_snapshot's parameters and optimizer state back, in place (an empty optimizer
+    state, before the first step, becomes empty again)."""
+    params, state = snapshot
+    for p, saved in zip(policy.parameters(), params):
+        _local(p).copy_(saved)
+    optimizer.state.clear()
+    dist.load_optimizer_state(optimizer, state)
+
+
 def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None):
     """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
     whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
@@ -484,9 +514,7 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
     single-process gradient; the finiteness decision and the logged sums are global too."""
     n_groups = n_groups or max((r.group for r in rows), default=0) + 1
     parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups)
-    snapshot = None
-    if cfg.ppo_epochs * len(parts) > 1:
-        snapshot = ({k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict()))
+    snapshot = cpu_snapshot(policy, optimizer) if cfg.ppo_epochs * len(parts) > 1 else None
     losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[2] for p in parts))
     device = next(policy.parameters()).device
     for epoch in range(cfg.ppo_epochs):
@@ -508,10 +536,10 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
             if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 if snapshot is not None:  # undo this call's earlier optimizer steps
-                    policy.load_state_dict(snapshot[0])
-                    optimizer.load_state_dict(snapshot[1])
+                    restore_snapshot(policy, optimizer, snapshot)
                 return Update(False, loss_sum, grad_norm, n_trained, dist.sum_counters(sums, ("mismatch_abs_max",)))
             optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # the gradients (fp32, a model's worth) are not held through the push
     return Update(True, sum(losses) / len(losses), grad_norm, n_trained,
                   dist.sum_counters(sums, ("mismatch_abs_max",)))
 
@@ -621,7 +649,8 @@ def end_epoch(run, search=True):
     if due:
         checkpoint(run)
     t = time.perf_counter()
-    weights = dist.full_state_dict(run.policy) if due else None  # collective: before rank 0 goes alone
+    self_ref = due and run.reflector is None and cfg.reflector == "init"  # the policy goes back after each reflection
+    weights = dist.full_state_dict(run.policy, main_only=True) if self_ref else None  # collective; rank 0: CPU
     if run.is_main and cfg.algo == "p2o":
         summary, result = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}, None
         if due:
@@ -671,16 +700,18 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
         reference.requires_grad_(False)
     if engine is None and cfg.backend == "hf":
         shared = None if dist.active() else policy  # one process: the engine shares the policy's weights
-        engine = HFRollout(weights_path, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs)
+        engine = HFRollout(weights_path, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
+                           rank=dist.rank())
         engine.model.to(device)
     elif engine is None:
         engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
                               max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
                               kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              sleep_level=cfg.vllm_sleep_level, chat_template_kwargs=chat_kwargs,
-                              external_launcher=dist.active(), progress_bars=cfg.verbose)
+                              sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
+                              chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
+                              progress_bars=cfg.verbose, rank=dist.rank())
     elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
-        engine.push_weights(dist.full_state_dict(policy))
+        engine.push_weights(dist.full_parameters(policy, getattr(engine, "dtype", None)))
     return policy, reference, tokenizer, engine
 
 
@@ -784,9 +815,16 @@ def start_run(cfg, resume_path, saved, engine, reward_fn, reflector):
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    reason = shared_prompt_refusal(cfg, device.type)
+    if reason:
+        cfg.shared_prompt = False
+        if is_main:
+            print(f"--shared_prompt=False: {reason}")
     chat_kwargs = chat_template_kwargs(cfg)
     policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
                                                        train_set + dev_set, chat_kwargs)
+    if device.type == "cuda":  # vLLM left torch one CPU thread (checksums, the CPU snapshot, tokenising)
+        torch.set_num_threads(cpu_threads(cfg.cpu_threads))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731 - then constant
@@ -838,7 +876,7 @@ def dev_eval(run):
     t = time.perf_counter()
     mine = answer_records(run.engine, dist.split(run.dev_set, run.rank, run.world), k=cfg.eval_k,
                           temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
-                          seed=cfg.seed * 100_003 + state.step + run.rank, prompt_format=cfg.prompt_format)
+                          seed=cfg.seed * 100_003 + state.step, prompt_format=cfg.prompt_format)  # + rank in the engine
     overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
     run.seconds["dev evaluations"] += time.perf_counter() - t
     if run.is_main:
@@ -870,9 +908,9 @@ def train_step(run):
     if update.finite:
         state.bad_steps = 0
         run.scheduler.step()
-        if update.trained_rows:
-            engine.push_weights(dist.full_state_dict(run.policy))  # verified inside: raises on a mismatch
-    else:  # a NaN/inf loss or gradient: the update left no trace; count it
+    if update.finite and update.trained_rows or getattr(engine, "sleep_level", 0) == 2:  # level 2 dropped the weights
+        engine.push_weights(dist.full_parameters(run.policy, getattr(engine, "dtype", None)))  # verified: raises on a mismatch
+    if not update.finite:  # a NaN/inf loss or gradient: the update left no trace; count it
         state.bad_steps += 1
         state.skipped_steps += 1
         if run.is_main:

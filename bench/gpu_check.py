@@ -75,6 +75,15 @@ def run(device, steps, rows, bf16, tf32=True):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         torch.cuda.reset_peak_memory_stats(device)
     times, grad = [], None
+    real_step = optimizer.step
+
+    def step_keeping_the_gradient(*args, **kwargs):  # policy_update frees .grad after its last step
+        nonlocal grad
+        if grad is None:  # one mini-batch: the step's (clipped) gradient
+            grad = flat(p.grad for p in model.parameters())
+        return real_step(*args, **kwargs)
+
+    optimizer.step = step_keeping_the_gradient
     for _ in range(steps):
         t = time.perf_counter()
         update = train.policy_update(model, None, optimizer, rows, cfg, pad_id=0)
@@ -82,8 +91,6 @@ def run(device, steps, rows, bf16, tf32=True):
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
         assert update.finite
-        if grad is None:  # one mini-batch: .grad holds the step's (clipped) gradient
-            grad = flat(p.grad for p in model.parameters())
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     return start, flat(model.parameters()), grad, statistics.median(times[1:] or times), peak
 

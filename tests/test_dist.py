@@ -64,7 +64,7 @@ def reference(tmp_path_factory):
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     max_norm = total_norm(grads) / 2
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-    torch.optim.SGD(model.parameters(), lr=LR).step()
+    torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9).step()  # the first step: momentum = gradient
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"folder": folder, "rows": rows, "step_tokens": step_tokens, "loss": loss.item(), "grads": grads,
             "norm": norm, "max_norm": max_norm, "params": params}
@@ -104,6 +104,29 @@ def test_sharded_step_equals_single_process(reference, ranks):
         assert s["params"].keys() == ref["params"].keys()  # HF names, lm_head.weight included
         for name, p in ref["params"].items():
             torch.testing.assert_close(s["params"][name], p, rtol=0, atol=ATOL, msg=name)
+
+
+def test_weights_stream_one_parameter_at_a_time_and_gather_on_rank_zero(reference, ranks):
+    """full_parameters: each parameter once (a tied head under the embedding's name only), in
+    named_parameters order, cast to bf16 before the gather, on every rank; full_state_dict with
+    main_only: CPU tensors on rank 0, nothing on rank 1."""
+    names = [n for n, _ in tiny_model().named_parameters()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names  # tied
+    for r in ranks:
+        s = r["step"]
+        assert [k for k, _ in s["streamed"]] == names
+        for k, v in s["streamed"]:
+            assert v.dtype == torch.bfloat16 and torch.equal(v, s["params"][k].to(torch.bfloat16)), k
+    assert ranks[0]["step"]["on_main"] == {k: ("cpu", True) for k in reference["params"]}
+    assert ranks[1]["step"]["on_main"] == {}
+
+
+def test_cpu_snapshot_restores_fsdp_shards_and_an_empty_optimizer_state(reference, ranks):
+    for r in ranks:
+        s = r["step"]
+        assert s["stepped_state"] == len(reference["params"]) - 1  # momentum buffers (tied: one less)
+        assert s["state_after_restore"] == 0
+        assert s["restored"] == {k: True for k in reference["params"]}
 
 
 def test_collectives(ranks):

@@ -1,5 +1,7 @@
 """rollout.py: vLLM and HF backends (prompt ids, EOS, stop strings, log-probs within 1e-3) and the verified weight push."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -165,3 +167,178 @@ def test_chat_template_kwargs_reach_the_template(model_path):
     plain = tok.decode(encode_prompt(tok, msgs))
     off = tok.decode(encode_prompt(tok, msgs, {"enable_thinking": False}))
     assert plain == "<user>What is 2 + 2?<assistant>" and off == plain + "<think></think>"
+
+
+# ---- the CUDA path's calls, on the CPU: a stand-in for vllm.LLM that records what VLLMRollout asks of it
+
+
+class StandInLLM:
+    """The calls VLLMRollout makes on vllm.LLM, recorded in `calls`, with an HF model as the
+    worker's model: reload_weights copies each (name, tensor) into it as vLLM's loader does,
+    one at a time as it comes out of the iterator (a name it does not have is recorded as a
+    warning, as vLLM logs one); collective_rpc(function) runs the function on a worker holding
+    it. `corrupt`: a loader that stores a wrong value for that parameter."""
+
+    def __init__(self, model, tokenizer, corrupt=None):
+        self.model, self.tokenizer, self.corrupt, self.calls = model, tokenizer, corrupt, []
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16, hf_config=model.config))
+        self.worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: model))
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({','.join(tags)})")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    @torch.no_grad()
+    def collective_rpc(self, method, kwargs=None):
+        if callable(method):
+            return [method(self.worker)]
+        assert method == "reload_weights"
+        self.calls.append("reload_weights")
+        params = dict(self.model.named_parameters())
+        for name, tensor in kwargs["weights_iterator"]:
+            self.calls.append(f"load {name}")
+            if name not in params:
+                self.calls.append(f"warning: no parameter {name}")
+                continue
+            params[name].copy_(tensor + (1e-2 if name == self.corrupt else 0.0))
+        return [None]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.params = params
+        out = SimpleNamespace(token_ids=[2], text="", finish_reason="stop", logprobs=None)
+        return [SimpleNamespace(outputs=[out] * p.n) for p in params]
+
+
+def cuda_engine(tiny_model, sleep_level=1, rank=0, corrupt=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout import VLLMRollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    llm = StandInLLM(model, AutoTokenizer.from_pretrained(tiny_model), corrupt)
+    return VLLMRollout(tiny_model, sleep_level=sleep_level, rank=rank, llm=llm, cpu=False)
+
+
+def perturbed_weights(tiny_model, scale=0.05):
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def test_cuda_push_wakes_weights_streams_then_wakes_the_kv_cache(tiny_model):
+    """TRL's and verl's order: wake the weights only, stream each tensor in as it is produced
+    (never collected first), reset the prefix cache, then wake the KV cache. The tied LM head
+    is not sent (vLLM would warn on every push), and the engine ends up with the pushed bf16
+    values (checksum-verified)."""
+    import dist
+
+    engine = cuda_engine(tiny_model)
+    assert engine.tied_embeddings and engine.dtype == torch.bfloat16
+    policy = perturbed_weights(tiny_model)
+    produced = []
+
+    def stream():
+        for name, tensor in dist.full_parameters(policy, engine.dtype):
+            produced.append(name)
+            engine.llm.calls.append(f"produce {name}")
+            yield name, tensor
+
+    engine.sleep()
+    report = engine.push_weights(stream())
+    names = [n for n, _ in policy.named_parameters()]
+    calls = engine.llm.calls
+    expected = ["sleep(1)", "wake_up(weights)", "reload_weights"]
+    expected += [c for n in names for c in (f"produce {n}", f"load {n}")]  # one at a time
+    expected += ["reset_prefix_cache", "wake_up(kv_cache)"]
+    assert calls == expected
+    assert report == {"pushed": len(names), "verified": len(names)}
+    for (name, want), got in zip(policy.named_parameters(), engine.llm.model.parameters()):
+        assert torch.equal(got, want.detach().to(torch.bfloat16)), name
+    calls.clear()
+    engine.push_weights(policy.state_dict())  # a state dict holds lm_head.weight too: not sent when tied
+    assert "load lm_head.weight" not in calls and not [c for c in calls if c.startswith("warning")]
+    assert calls[0] == "reload_weights" and calls[-1] == "reset_prefix_cache"  # awake: nothing to wake
+
+
+def test_cuda_push_that_loaded_a_wrong_value_raises(tiny_model):
+    from rollout import WeightPushError
+
+    engine = cuda_engine(tiny_model, corrupt="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(WeightPushError, match="model.layers.1.mlp.up_proj.weight does not hold the pushed values"):
+        engine.push_weights(perturbed_weights(tiny_model).state_dict())
+
+
+def test_cuda_sleep_level_two_and_waking_for_generation(tiny_model):
+    engine = cuda_engine(tiny_model, sleep_level=2)
+    engine.sleep()
+    engine.sleep()  # asleep already: no second call
+    engine.generate(["hello"], n=1, max_tokens=4)
+    assert engine.llm.calls == ["sleep(2)", "wake_up(kv_cache,weights)"]
+
+
+def test_cuda_requests_carry_their_own_seeds(tiny_model):
+    """Seeds on CUDA: request i gets base + (samples of the requests before it), vLLM adds the
+    child index (seed + j), base = request_seed_base(call seed, rank): equal calls get equal
+    seeds, the other rank and the next call other ones; unseeded calls stay unseeded."""
+    from rollout import request_seed_base
+
+    seeds = {}
+    for rank in (0, 1):
+        engine = cuda_engine(tiny_model, rank=rank)
+        for seed in (7, 8):
+            engine.generate(["a", "b", "c"], n=[2, 3, 1], seed=seed)
+            seeds[rank, seed] = [p.seed for p in engine.llm.params]
+            base = request_seed_base(seed, rank)
+            assert seeds[rank, seed] == [base, base + 2, base + 5]
+        engine.generate(["a", "b", "c"], n=[2, 3, 1], seed=7)
+        assert [p.seed for p in engine.llm.params] == seeds[rank, 7]
+        engine.generate(["a"], n=4)
+        assert engine.llm.params[0].seed is None
+    assert seeds[0, 7] != seeds[1, 7] and seeds[0, 7] != seeds[0, 8]
+
+
+def test_request_seed_ranges_of_different_calls_do_not_overlap():
+    """The seeds of a call are base .. base + samples - 1. Over 2,000 calls (consecutive step
+    seeds on 4 ranks, 64 samples each) no two calls share a seed: bases are 48-bit hashes, not
+    seed + rank, which would make call s + 1 reuse call s's seeds."""
+    from rollout import request_seed_base
+
+    bases = sorted(request_seed_base(seed, rank) for seed in range(500) for rank in range(4))
+    assert len(set(bases)) == 2000 and all(b < 2 ** 48 for b in bases)
+    assert min(b - a for a, b in zip(bases, bases[1:])) >= 64
+
+
+def test_seeded_calls_differ_between_ranks_and_reproduce_under_torchrun(tmp_path, model_path):
+    """Two torchrun ranks, each with its own vLLM-CPU engine, make the same seeded call twice:
+    each rank's two calls agree, and the ranks' samples for the same prompts differ (one
+    process's seed + rank seeds the CPU generator; on CUDA, per-request seeds, tested above)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "tests", "rollout_dist_child.py"), model_path, str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for first, second in ranks:
+        assert first == second  # a repeated seeded call reproduces
+    assert all(len(set(map(tuple, group))) > 1 for group in ranks[0][0])  # sampled, not greedy
+    for p in range(2):
+        assert ranks[0][0][p] != ranks[1][0][p]  # the same prompt, the same call seed: other samples

@@ -379,6 +379,55 @@ def test_a_non_finite_later_ppo_epoch_leaves_no_trace(tiny_model, monkeypatch):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_non_finite_call_before_any_optimizer_step_leaves_an_empty_optimizer(tiny_model, monkeypatch):
+    """The rollback snapshot (train.cpu_snapshot, in CPU memory) of a fresh AdamW holds no
+    state: after a non-finite second epoch the optimizer is empty again, so the next update is
+    exactly the one a fresh optimizer takes."""
+    cfg = update_config(ppo_epochs=2)
+    model, fresh = load_tiny(tiny_model), load_tiny(tiny_model)
+    opt, fresh_opt = (torch.optim.AdamW(m.parameters(), lr=cfg.lr) for m in (model, fresh))
+    snapshot = train.cpu_snapshot(model, opt)
+    assert all(t.device.type == "cpu" for t in snapshot[0]) and snapshot[1]["state"] == {}
+    calls, real = {"n": 0}, train.grpo.aggregate
+
+    def nan_in_second_epoch(*a, **k):
+        calls["n"] += 1
+        out = real(*a, **k)
+        return out * float("nan") if calls["n"] > 2 else out
+
+    monkeypatch.setattr(train.grpo, "aggregate", nan_in_second_epoch)
+    assert not train.policy_update(model, None, opt, some_rows(), cfg, 2).finite
+    monkeypatch.undo()
+    assert len(opt.state) == 0
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    train.policy_update(model, None, opt, some_rows(), cfg, 2)
+    train.policy_update(fresh, None, fresh_opt, some_rows(), cfg, 2)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_shared_prompt_turns_off_on_cuda_past_the_packed_length():
+    from config import SHARED_PROMPT_CUDA_MAX, shared_prompt_refusal
+
+    long = Config(micro_batch_size=8, max_tokens=1024)  # 8,192 response tokens in one packed sequence
+    assert SHARED_PROMPT_CUDA_MAX == 4096
+    assert "8 x 1024 = 8192" in shared_prompt_refusal(long, "cuda")
+    assert shared_prompt_refusal(long, "cpu") is None  # the CPU keeps its faster layout
+    assert shared_prompt_refusal(Config(micro_batch_size=8, max_tokens=512), "cuda") is None  # 4,096: allowed
+    assert shared_prompt_refusal(Config(micro_batch_size=8, max_tokens=513), "cuda") is not None
+    assert shared_prompt_refusal(Config(micro_batch_size=8, max_tokens=1024, shared_prompt=False), "cuda") is None
+
+
+def test_cpu_threads_share_the_cores_among_the_nodes_processes():
+    from config import cpu_threads
+
+    assert cpu_threads(0, cores=64, local_world=8) == 8
+    assert cpu_threads(0, cores=6, local_world=4) == 1
+    assert cpu_threads(0, cores=2, local_world=8) == 1  # never 0
+    assert cpu_threads(3, cores=64, local_world=8) == 3  # --cpu_threads wins
+
+
 def test_kept_denominator_loss_is_logged_once_per_step_not_compounded(tiny_model):
     """Finding: with crm_denominator=kept and ppo_epochs > 1 the logged loss was divided by the
     kept count once per epoch. With lr = 0 both epochs see the same weights, so the logged loss is

@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 import torch
 
 import train
-from rollout import Sample, encode_prompt
+from rollout import Sample, encode_prompt, named_tensors
 
 
 class ScriptedEngine:
@@ -49,12 +49,14 @@ class ScriptedEngine:
             groups.append(group)
         return groups
 
-    def push_weights(self, state_dict):
-        for name, tensor in state_dict.items():
+    def push_weights(self, weights):
+        pushed = {}
+        for name, tensor in named_tensors(weights):  # streamed: one gathered parameter at a time
             if type(tensor) is not torch.Tensor:
                 raise TypeError(f"{name}: pushed a {type(tensor).__name__}, not the full tensor")
+            pushed[name] = tensor.detach().clone()
         self.pushes += 1
-        self.pushed = {k: v.detach().clone() for k, v in state_dict.items()}
+        self.pushed = pushed
 
 
 def reward(text, problem):
