@@ -226,14 +226,19 @@ def full_parameters(model, dtype=None):
         yield name, tensor
 
 
-def optimizer_state(optimizer):
+def optimizer_state(optimizer, copy=False):
     """optimizer.state_dict() with each DTensor (an FSDP2 shard of a state like exp_avg)
     replaced by its local CPU tensor: a file that loads without a process group or a device
-    mesh. In a single process: the state dict itself."""
+    mesh. In a single process: the state dict itself. copy=True: every tensor copied into CPU
+    memory, in any process (a snapshot that later optimizer steps leave as it is)."""
     state = optimizer.state_dict()
-    if not active():
+    if not (active() or copy):
         return state
-    local = lambda v: v.to_local().cpu() if hasattr(v, "to_local") else v  # noqa: E731
+
+    def local(v):
+        v = v.to_local() if hasattr(v, "to_local") else v
+        return v.to("cpu", copy=copy) if torch.is_tensor(v) else v
+
     return {**state, "state": {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}}
 
 

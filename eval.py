@@ -185,9 +185,9 @@ def main(argv=None):
     model_path = resolve_model(args.model)
     options = {"rank": rank}  # seeded samples differ between ranks (the engine adds its rank)
     if args.backend == "vllm":  # torchrun: one engine a rank
-        problems = [p for ps in benchmarks.values() for p in ps]
+        every_problem = [p for ps in benchmarks.values() for p in ps]
         options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager,
-                       max_model_len=eval_context(model_path, problems, args, template))
+                       max_model_len=eval_context(model_path, every_problem, args, template))
     engine = make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed, **options)
     out = args.out or os.path.join("out", f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results, all_records, table = {}, {}, {}

@@ -232,7 +232,6 @@ class VLLMRollout:
         model_config = llm.llm_engine.model_config
         self.dtype = model_config.dtype  # the engine's weights (a torch dtype once vLLM resolved "auto")
         self.tied_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-        self.pushes = 0
         reload_logger = logging.getLogger(RELOAD_LOGGER)
         for old in [f for f in reload_logger.filters if isinstance(f, NeverLoadedLayers)]:
             reload_logger.removeFilter(old)  # one engine a process: its own model decides
@@ -305,8 +304,8 @@ class VLLMRollout:
 
     def wake(self, part=None):
         """Map back what sleep() released: `part` ("weights" or "kv_cache") alone, or (None)
-        everything. The trainer's cached blocks go back to the GPU first, so that vLLM can
-        map its memory again (TRL and verl do the same)."""
+        everything. torch's cached free blocks are released first, so that vLLM can map its
+        memory again (TRL and verl do the same)."""
         parts = sorted(self.asleep) if part is None else [part] if part in self.asleep else []
         if not parts:
             return
@@ -366,7 +365,6 @@ class VLLMRollout:
                 raise WeightPushError(
                     f"engine parameter {name} does not hold the pushed values: "
                     f"(count, sum, sumsq) = {(count, total, squares)} vs {(e_count, e_total, e_squares)}")
-        self.pushes += 1
         return {"pushed": len(sent), "verified": len(got)}
 
 

@@ -42,7 +42,6 @@ reference implementation; policy entropy is measured on the rows that were forwa
 """
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import json
@@ -484,10 +483,7 @@ def cpu_snapshot(policy, optimizer):
     A copy on the GPU would hold weights + AdamW moments twice (48 GB more for a 4B model on
     one GPU); a CPU copy costs a device-to-host transfer per call of several optimizer steps."""
     params = [_local(p.detach()).to("cpu", copy=True) for p in policy.parameters()]
-    state = optimizer.state_dict()  # references to the live tensors: copy them
-    state = {**state, "state": {i: {k: _local(v).to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
-                                    for k, v in s.items()} for i, s in state["state"].items()}}
-    return params, state
+    return params, dist.optimizer_state(optimizer, copy=True)
 
 
 @torch.no_grad()
@@ -497,7 +493,6 @@ def restore_snapshot(policy, optimizer, snapshot):
     params, state = snapshot
     for p, saved in zip(policy.parameters(), params):
         _local(p).copy_(saved)
-    optimizer.state.clear()
     dist.load_optimizer_state(optimizer, state)
 
 
@@ -908,7 +903,8 @@ def train_step(run):
     if update.finite:
         state.bad_steps = 0
         run.scheduler.step()
-    if update.finite and update.trained_rows or getattr(engine, "sleep_level", 0) == 2:  # level 2 dropped the weights
+    weights_dropped = getattr(engine, "sleep_level", 0) == 2  # vLLM's level-2 sleep discarded its weights
+    if (update.finite and update.trained_rows) or weights_dropped:
         engine.push_weights(dist.full_parameters(run.policy, getattr(engine, "dtype", None)))  # verified: raises on a mismatch
     if not update.finite:  # a NaN/inf loss or gradient: the update left no trace; count it
         state.bad_steps += 1

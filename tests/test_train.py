@@ -866,3 +866,35 @@ def test_resume_reads_the_saved_settings_the_same_way_for_the_cli_and_train(tiny
     train.main([f"--resume={ckpt}", "--lr=2e-5"])
     assert seen["given"] == {"resume", "lr"}
     assert train.resume_point(Config()) == (Config(), None, None)
+
+
+class SleepingEngine:
+    """HF rollouts behind the sleep/push interface of VLLMRollout on CUDA, recording the calls."""
+
+    def __init__(self, path, sleep_level):
+        from rollout import HFRollout
+
+        self.hf, self.sleep_level, self.calls = HFRollout(path), sleep_level, []
+
+    def generate(self, prompts, **kw):
+        self.calls.append("generate")
+        return self.hf.generate(prompts, **kw)
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def push_weights(self, weights):
+        self.calls.append("push")
+        return self.hf.push_weights(weights)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_step_that_trains_nothing_pushes_only_after_a_level_two_sleep(tiny_model, tmp_path, level):
+    """Level 1 keeps the engine's weights (offloaded), so a step with no trained row (every reward
+    0, no KL) pushes nothing; level 2 discards them, so every step pushes the policy back."""
+    engine = SleepingEngine(tiny_model, level)
+    out = train.train(tiny_config(tiny_model, tmp_path, max_steps=2, save_every=0), engine=engine,
+                      reward_fn=lambda text, problem: 0.0)
+    assert out["step"] == 2 and all(m["trained_rows"] == 0 for m in read_metrics(tmp_path / "t"))
+    step = ["generate", "sleep", "push"] if level == 2 else ["generate", "sleep"]
+    assert engine.calls == step * 2
