@@ -259,6 +259,30 @@ def load_optimizer_state(optimizer, state):
     optimizer.load_state_dict(state)
 
 
+def _local(t):
+    """A tensor's own storage: an FSDP2 DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def cpu_snapshot(model, optimizer):
+    """This rank's parameters (under FSDP2: its shards) and optimizer state, copied into CPU
+    memory: what train.policy_update puts back when a later optimizer step of a call is not
+    finite. A copy on the GPU would hold weights + AdamW moments twice (48 GB more for a 4B
+    model on one GPU); a CPU copy costs a device-to-host transfer per call of several steps."""
+    params = [_local(p.detach()).to("cpu", copy=True) for p in model.parameters()]
+    return params, optimizer_state(optimizer, copy=True)
+
+
+@torch.no_grad()
+def restore_snapshot(model, optimizer, snapshot):
+    """Put cpu_snapshot's parameters and optimizer state back, in place (an empty optimizer
+    state, before the first step, becomes empty again)."""
+    params, state = snapshot
+    for p, saved in zip(model.parameters(), params):
+        _local(p).copy_(saved)
+    load_optimizer_state(optimizer, state)
+
+
 def clip_grad_norm(model, max_norm):
     """Scale the gradients so their global L2 norm is at most max_norm; returns that norm
     (before clipping) as a float, the same on every rank. Under FSDP2 the gradients are

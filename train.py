@@ -472,30 +472,6 @@ def prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups):
     return parts, sums
 
 
-def _local(t):
-    """A tensor's own storage: an FSDP2 DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def cpu_snapshot(policy, optimizer):
-    """This rank's parameters (under FSDP2: its shards) and optimizer state, copied into CPU
-    memory: what policy_update puts back when a later optimizer step of the call is not finite.
-    A copy on the GPU would hold weights + AdamW moments twice (48 GB more for a 4B model on
-    one GPU); a CPU copy costs a device-to-host transfer per call of several optimizer steps."""
-    params = [_local(p.detach()).to("cpu", copy=True) for p in policy.parameters()]
-    return params, dist.optimizer_state(optimizer, copy=True)
-
-
-@torch.no_grad()
-def restore_snapshot(policy, optimizer, snapshot):
-    """Put cpu_snapshot's parameters and optimizer state back, in place (an empty optimizer
-    state, before the first step, becomes empty again)."""
-    params, state = snapshot
-    for p, saved in zip(policy.parameters(), params):
-        _local(p).copy_(saved)
-    dist.load_optimizer_state(optimizer, state)
-
-
 def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None):
     """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
     whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
@@ -509,7 +485,7 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
     single-process gradient; the finiteness decision and the logged sums are global too."""
     n_groups = n_groups or max((r.group for r in rows), default=0) + 1
     parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups)
-    snapshot = cpu_snapshot(policy, optimizer) if cfg.ppo_epochs * len(parts) > 1 else None
+    snapshot = dist.cpu_snapshot(policy, optimizer) if cfg.ppo_epochs * len(parts) > 1 else None
     losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[2] for p in parts))
     device = next(policy.parameters()).device
     for epoch in range(cfg.ppo_epochs):
@@ -531,7 +507,7 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
             if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 if snapshot is not None:  # undo this call's earlier optimizer steps
-                    restore_snapshot(policy, optimizer, snapshot)
+                    dist.restore_snapshot(policy, optimizer, snapshot)
                 return Update(False, loss_sum, grad_norm, n_trained, dist.sum_counters(sums, ("mismatch_abs_max",)))
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # the gradients (fp32, a model's worth) are not held through the push
@@ -810,11 +786,10 @@ def start_run(cfg, resume_path, saved, engine, reward_fn, reflector):
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    reason = shared_prompt_refusal(cfg, device.type)
-    if reason:
-        cfg.shared_prompt = False
-        if is_main:
-            print(f"--shared_prompt=False: {reason}")
+    reason = shared_prompt_refusal(cfg, device.type)  # CUDA: long packed sequences are slower than rows
+    cfg.shared_prompt = cfg.shared_prompt and not reason
+    if reason and is_main:
+        print(f"--shared_prompt=False: {reason}")
     chat_kwargs = chat_template_kwargs(cfg)
     policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
                                                        train_set + dev_set, chat_kwargs)
@@ -903,8 +878,7 @@ def train_step(run):
     if update.finite:
         state.bad_steps = 0
         run.scheduler.step()
-    weights_dropped = getattr(engine, "sleep_level", 0) == 2  # vLLM's level-2 sleep discarded its weights
-    if (update.finite and update.trained_rows) or weights_dropped:
+    if (update.finite and update.trained_rows) or getattr(engine, "sleep_level", 0) == 2:  # level 2 dropped its weights
         engine.push_weights(dist.full_parameters(run.policy, getattr(engine, "dtype", None)))  # verified: raises on a mismatch
     if not update.finite:  # a NaN/inf loss or gradient: the update left no trace; count it
         state.bad_steps += 1

@@ -19,7 +19,6 @@ sys.path.insert(0, ROOT)
 
 import dist
 import grpo
-import train
 
 PAD_ID = 0
 
@@ -44,7 +43,7 @@ def batch_loss(model, rows, step_tokens, step_rows):
 def sharded_step(job, rank, world):
     """split -> global token count -> micro-batches through the FSDP2 model -> full gradients,
     clipped norm, SGD step -> full state dict, the same weights streamed one parameter at a time
-    (bf16) and gathered on rank 0 only; then train.restore_snapshot back to before the step.
+    (bf16) and gathered on rank 0 only; then dist.restore_snapshot back to before the step.
     Returns what the parent compares."""
     from transformers import AutoModelForCausalLM
 
@@ -62,14 +61,14 @@ def sharded_step(job, rank, world):
     norm = dist.clip_grad_norm(model, job["max_norm"])
     optimizer = torch.optim.SGD(model.parameters(), lr=job["lr"], momentum=0.9)  # momentum: an optimizer state
     before = {k: v.detach().clone() for k, v in dist.full_state_dict(model).items()}
-    snapshot = train.cpu_snapshot(model, optimizer)  # empty optimizer state: nothing stepped yet
+    snapshot = dist.cpu_snapshot(model, optimizer)  # empty optimizer state: nothing stepped yet
     optimizer.step()
     params = {k: v.detach().clone() for k, v in dist.full_state_dict(model).items()}
     streamed = [(k, v.clone()) for k, v in dist.full_parameters(model, torch.bfloat16)]
     main_only = dist.full_state_dict(model, main_only=True)
     on_main = {k: (str(v.device), torch.equal(v, params[k].cpu())) for k, v in main_only.items()}
     stepped_state = len(optimizer.state)
-    train.restore_snapshot(model, optimizer, snapshot)
+    dist.restore_snapshot(model, optimizer, snapshot)
     restored = {k: torch.equal(v, before[k]) for k, v in dist.full_state_dict(model).items()}
     return {"step_tokens": step_tokens, "step_rows": step_rows, "loss": dist.all_sum(loss_sum),
             "local_tokens": sum(len(r["response"]) for r in local), "grads": grads, "norm": norm,

@@ -380,13 +380,13 @@ def test_a_non_finite_later_ppo_epoch_leaves_no_trace(tiny_model, monkeypatch):
 
 
 def test_a_non_finite_call_before_any_optimizer_step_leaves_an_empty_optimizer(tiny_model, monkeypatch):
-    """The rollback snapshot (train.cpu_snapshot, in CPU memory) of a fresh AdamW holds no
+    """The rollback snapshot (dist.cpu_snapshot, in CPU memory) of a fresh AdamW holds no
     state: after a non-finite second epoch the optimizer is empty again, so the next update is
     exactly the one a fresh optimizer takes."""
     cfg = update_config(ppo_epochs=2)
     model, fresh = load_tiny(tiny_model), load_tiny(tiny_model)
     opt, fresh_opt = (torch.optim.AdamW(m.parameters(), lr=cfg.lr) for m in (model, fresh))
-    snapshot = train.cpu_snapshot(model, opt)
+    snapshot = train.dist.cpu_snapshot(model, opt)
     assert all(t.device.type == "cpu" for t in snapshot[0]) and snapshot[1]["state"] == {}
     calls, real = {"n": 0}, train.grpo.aggregate
 
