@@ -443,11 +443,14 @@ class HFRollout:
     def push_weights(self, weights):
         """Copy HF-named tensors (a state dict or (name, tensor) pairs, taken one at a time) into
         the model; every parameter must arrive (a tied LM head is the embedding: lm_head.weight
-        may come or not)."""
+        may come or not). A state dict's persistent buffers are copied too."""
         params = dict(self.model.named_parameters())  # a tied head appears once, as the embedding
+        buffers = dict(self.model.named_buffers())
         for name, tensor in named_tensors(weights):
             if name in params:
                 params.pop(name).copy_(tensor)
+            elif name in buffers:
+                buffers[name].copy_(tensor)
             elif name != "lm_head.weight":
                 raise WeightPushError(f"the model has no parameter {name}")
         if params:

@@ -67,7 +67,6 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
                 torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         link_checkpoint(run_dir, "latest", step)
         return path
-    weights = dist.full_state_dict(policy, main_only=True)  # rank 0 writes them: gathered there, in CPU memory
     own_file = f"rank-{dist.rank()}.pt"
     if os.path.isdir(path):  # one file system: every rank sees the same folders
         write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))
@@ -75,6 +74,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
         if dist.is_main():
             write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
     else:
+        weights = dist.full_state_dict(policy, main_only=True)  # a collective; rank 0 writes them, from CPU memory
         tmp = os.path.join(run_dir, f".partial-{name}")  # a name every rank knows
         if dist.is_main():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -376,3 +376,21 @@ def test_seeded_calls_differ_between_ranks_and_reproduce_under_torchrun(tmp_path
     assert all(len(set(map(tuple, group))) > 1 for group in ranks[0][0])  # sampled, not greedy
     for p in range(2):
         assert ranks[0][0][p] != ranks[1][0][p]  # the same prompt, the same call seed: other samples
+
+
+def test_hf_push_copies_every_parameter_and_persistent_buffers(tiny_model):
+    """HFRollout.push_weights: a state dict's persistent buffers are loaded too, a missing
+    parameter or an unknown name is an error."""
+    engine = HFRollout(tiny_model)
+    engine.model.register_buffer("scale", torch.zeros(3))  # a persistent buffer, as some models have
+    source = perturbed_weights(tiny_model)
+    source.register_buffer("scale", torch.arange(3.0))
+    engine.push_weights(source.state_dict())
+    assert torch.equal(engine.model.scale, torch.arange(3.0))
+    for (name, a), b in zip(source.named_parameters(), engine.model.parameters()):
+        assert torch.equal(a, b), name
+    state = source.state_dict()
+    with pytest.raises(WeightPushError, match="not pushed"):
+        engine.push_weights({k: v for k, v in state.items() if "layers.0.mlp" not in k})
+    with pytest.raises(WeightPushError, match="no parameter model.bogus"):
+        engine.push_weights({**state, "model.bogus": torch.zeros(1)})
