@@ -236,7 +236,7 @@ def optimizer_state(optimizer, copy=False):
         return state
 
     def local(v):
-        v = v.to_local() if hasattr(v, "to_local") else v
+        v = _local(v)
         return v.to("cpu", copy=copy) if torch.is_tensor(v) else v
 
     return {**state, "state": {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}}
