@@ -24,6 +24,7 @@ DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = ("id", "problem", "answer")
 OPTIONAL = ("solution", "source")
 SHIPPED = ("builtin", "fictional")  # tasks shipped under data/<task>/ (data/builtin.py, data/fictional.py)
+PREP_HINT = "; convert the file with data/prep.py (--problem/--answer/--id map its columns)"
 
 
 class DataError(ValueError):
@@ -59,14 +60,14 @@ def parse_row(line):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     for key in REQUIRED:
         if key not in row:
-            raise ValueError(f"missing field {key!r}")
+            raise ValueError(f"missing field {key!r}{PREP_HINT}")
         if not isinstance(row[key], str):
-            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}")
+            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}{PREP_HINT}")
         if not row[key].strip():
             raise ValueError(f"field {key!r} is empty")
     for key in OPTIONAL:
         if row.get(key) is not None and not isinstance(row[key], str):
-            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}")
+            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}{PREP_HINT}")
     return Problem(**{k: row.get(k) for k in REQUIRED + OPTIONAL})
 
 

@@ -46,6 +46,14 @@ def test_skip_bad_counts_rows(tmp_path):
     assert problems[1].solution == "s" and problems[1].source == "x"
 
 
+@pytest.mark.parametrize("row", [{"problem": "p", "answer": "3"}, {"id": "b", "problem": "p", "answer": 3},
+                                 {"id": "b", "problem": "p", "answer": "3", "solution": ["s"]}])
+def test_schema_errors_point_at_prep(tmp_path, row):
+    with pytest.raises(DataError) as e:
+        load_jsonl(write(tmp_path, [json.dumps(row)]))
+    assert str(e.value).endswith("; convert the file with data/prep.py (--problem/--answer/--id map its columns)")
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(DataError, match="no such data file"):
         load_jsonl(str(tmp_path / "nope.jsonl"))
