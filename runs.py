@@ -9,6 +9,7 @@
         metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
         dev.jsonl             one line per dev eval    tb/              TensorBoard events
         gepa-epoch-N.json     one GEPA round           abandoned/       what a resume set aside
+        wandb/, wandb-id.txt  with --wandb_project: Weights & Biases' local files, the W&B run's id
 
 Crash safety: every file that must be whole is written through a temporary sibling and a
 rename (a checkpoint folder, trainer.pt, `latest`, GEPA archives), so a `kill -9` at any moment
@@ -21,8 +22,10 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
+import sys
 import time
 
 import torch
@@ -261,9 +264,67 @@ def route_library_logs(run_dir, rank=0):
     return handler
 
 
+ROLLOUT_COLUMNS = ["step", "id", "answer", "template", "response", "reward"]
+
+
+def wandb_run_id(run_dir):
+    """The Weights & Biases id of this run folder, kept in wandb-id.txt: made the first time, read
+    back on a resume, so every attempt of the run logs to the same W&B run."""
+    path = os.path.join(run_dir, "wandb-id.txt")
+    if os.path.isfile(path):
+        return open(path).read().strip()
+    run_id = secrets.token_hex(6)  # W&B ids are letters, digits, '-' and '_'
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(run_id + "\n")
+
+    write_atomic(path, write)
+    return run_id
+
+
+def open_wandb(run_dir, step, cfg):
+    """The W&B run beside TensorBoard (--wandb_project): named after the run folder, its local files
+    in <run_dir>/wandb/, the whole Config as its config. wandb is imported here only, so a run
+    without --wandb_project never loads it. WANDB_MODE=offline writes offline-run-*/ folders that
+    `wandb sync` uploads later. Returns the run and the table of sampled completions."""
+    import wandb
+
+    run = wandb.init(project=cfg.wandb_project, name=os.path.basename(os.path.normpath(run_dir)), dir=run_dir,
+                     id=wandb_run_id(run_dir), resume="allow", config=dataclasses.asdict(cfg))
+    note = wandb_resume_note(run, step)
+    if note:
+        print(note)
+    # One table for the whole run: each step adds its rows and uploads only those (INCREMENTAL);
+    # the W&B page shows all steps' rows in one panel, to filter or group by the step column.
+    # Per-step tables would show one step at a time; re-logging a growing table uploads it again
+    # every step. The table keeps its rows in memory: as much as rollouts.jsonl holds on disk.
+    return run, wandb.Table(columns=ROLLOUT_COLUMNS, log_mode="INCREMENTAL")
+
+
+def wandb_resume_note(run, step):
+    """W&B has no counterpart of TensorBoard's purge: a resumed W&B run keeps its history and
+    ignores rows of steps below its newest. Resumed at `step` after an attempt that logged up to
+    run.step - 1 > step, the W&B charts keep that attempt's values for the steps in between and
+    this branch's appear from run.step on (TensorBoard and the JSONL files hold this branch only).
+    The line that says so, or None. Offline, a resumed run starts at 0: nothing is known yet."""
+    if run.step <= step + 1:
+        return None
+    return (f"W&B run {run.id} already has steps up to {run.step - 1}: it keeps those and ignores this "
+            f"branch's steps {step + 1}-{run.step - 1} (TensorBoard and the JSONL files have them)")
+
+
+def rollout_rows(step, groups):
+    """A W&B table's rows for the groups rollouts.jsonl receives: one row per sample."""
+    return [[step, str(g.problem.id), str(g.problem.answer), template, sample.text, float(reward)]
+            for g in groups for sample, template, reward in zip(g.samples, g.templates, g.rewards)]
+
+
 class RunLog:
-    """TensorBoard scalars and the run's JSONL files. Opened at a resumed step, TensorBoard
-    purges events after it (start_branch has already cut the JSONL files)."""
+    """TensorBoard scalars and the run's JSONL files; with --wandb_project also the same scalars
+    (same names, same steps) and the rollouts.jsonl samples as a table in Weights & Biases.
+    Opened at a resumed step, TensorBoard purges events after it (start_branch has already cut
+    the JSONL files); W&B cannot (wandb_resume_note)."""
 
     def __init__(self, run_dir, step, cfg):
         self.run_dir, self.cfg = run_dir, cfg
@@ -271,21 +332,31 @@ class RunLog:
         self.writer.add_text("config", "```\n" + json.dumps(dataclasses.asdict(cfg), indent=1) + "\n```", step)
         self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.rollouts = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
+        self.wandb, self.table = open_wandb(run_dir, step, cfg) if cfg.wandb_project else (None, None)
 
     def scalars(self, prefix, values, step):
-        for key, value in values.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        """The finite numbers of `values` as <prefix>/<key> at `step`, to TensorBoard (and W&B)."""
+        logged = {f"{prefix}/{key}": value for key, value in values.items()
+                  if isinstance(value, (int, float)) and math.isfinite(value)}
+        for key, value in logged.items():
+            self.writer.add_scalar(key, value, step)
+        if self.wandb and logged:
+            self.wandb.log(logged, step=step)
 
     def step(self, m, groups):
         self.scalars("train", m, m["step"])
         self.metrics.write(json.dumps(m) + "\n")
         self.metrics.flush()
-        for g in groups[:self.cfg.log_rollouts]:
+        sampled = groups[:self.cfg.log_rollouts]
+        for g in sampled:
             self.rollouts.write(json.dumps({"step": m["step"], "id": g.problem.id, "answer": g.problem.answer,
                                             "templates": g.templates, "responses": [s.text for s in g.samples],
                                             "rewards": g.rewards}) + "\n")
         self.rollouts.flush()
+        if self.wandb and sampled:
+            for row in rollout_rows(m["step"], sampled):
+                self.table.add_data(*row)
+            self.wandb.log({"rollouts": self.table}, step=m["step"])
 
     def dev(self, step, overall):
         self.scalars("dev", overall, step)
@@ -295,24 +366,27 @@ class RunLog:
     def gepa(self, epoch, step, hard, result=None):
         """An epoch's end under P²O: the hard-set size, and a GEPA round's archive (written
         atomically: gepa-epoch-N.json) and acceptance scalars when one ran (`result`)."""
-        self.writer.add_scalar("p2o/hard_set_size", hard, step)
+        self.scalars("p2o", {"hard_set_size": hard}, step)
         if result is None:
             return
         archive = result.to_json()
         write_atomic(os.path.join(self.run_dir, f"gepa-epoch-{epoch}.json"),
                      lambda tmp: json.dump(archive, open(tmp, "w"), indent=1))
         summary = result.summary()
-        self.writer.add_scalar("p2o/gepa_acceptance_rate", summary["accepted"] / max(1, summary["proposals"]), step)
-        self.writer.add_scalar("p2o/gepa_best_dev_score", summary["best_dev_score"], step)
+        self.scalars("p2o", {"gepa_acceptance_rate": summary["accepted"] / max(1, summary["proposals"]),
+                             "gepa_best_dev_score": summary["best_dev_score"]}, step)
 
     def dev_records(self):
         path = os.path.join(self.run_dir, "dev.jsonl")
         return [json.loads(line) for line in open(path)] if os.path.isfile(path) else []
 
     def close(self):
+        """Called from train()'s `finally`: an exception on its way out marks the W&B run failed."""
         self.writer.close()
         self.metrics.close()
         self.rollouts.close()
+        if self.wandb:
+            self.wandb.finish(exit_code=1 if sys.exc_info()[0] else 0)
 
 
 class StopSignal:

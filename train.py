@@ -166,6 +166,7 @@ class Config:
     save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
     keep_checkpoints: int = 0  # > 0: keep only the newest N checkpoints (and latest's and best's); 0 = keep all
     log_rollouts: int = 4  # groups per step written to rollouts.jsonl
+    wandb_project: str = ""  # also log to Weights & Biases under this project ('' = TensorBoard only; WANDB_MODE=offline works)
     seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
     out_dir: str = "runs"  # runs go to out_dir/run_name
     run_name: str = ""  # default: <algo>-<date>-<time>
