@@ -4,12 +4,19 @@
 checked, and turned into what the run needs (device, chat-template arguments, vLLM's context,
 a held-out dev set):
 
-    cfg = parse_overrides(Config(), ["--lr=1e-6", "--group_size=12"])   # types checked
+    cfg = parse_overrides(Config(), ["--lr=1e-6", "--group_size", "12", "--crm"])   # types checked
     check_config(cfg)             # SystemExit naming the flag: "--adv_norm is one of 'group' | 'none', got 'z'"
+    train_set, dev_set = load_data(cfg)   # every row validated
     print(config_help(Config))    # python train.py --help
+
+Every mistake is one line before any model loads: a misspelt setting names the nearest ones
+("unknown setting --group_sise; did you mean --group_size?"), a model path that is not a model
+folder or a hub id that is neither cached nor reachable is reported without a download
+(model.check_model), a bad data file names its row.
 """
 
 import dataclasses
+import difflib
 import inspect
 import json
 import os
@@ -19,30 +26,65 @@ import torch
 
 import gepa
 import grpo
+from data import DataError, load_jsonl
+from model import check_model
 from prompts import FORMATS, problem_messages
 from rollout import encode_prompt
 
 
-def parse_overrides(cfg, argv):
-    """Apply --key=value overrides to a Config, checking names and types."""
+BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def split_flags(argv):
+    """[--key=value | --key value | --flag] -> [(key, value)], as argparse reads them: a bare
+    --flag (followed by nothing or by another --option) is "true"; a value may start with '-'
+    (`--lr -1e-6`) but not with '--'."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise SystemExit(f"arguments look like --key=value, --key value or --flag, got {arg!r}")
+        if "=" in arg:
+            pairs.append(tuple(arg[2:].split("=", 1)))
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            pairs.append((arg[2:], argv[i + 1]))
+            i += 1
+        else:
+            pairs.append((arg[2:], None))
+        i += 1
+    return pairs
+
+
+def unknown_setting(key, names):
+    """The one-line error for a misspelt setting, naming the nearest ones."""
+    near = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    near += [n for n in names if len(key) >= 3 and n.startswith(key) and n not in near][:3 - len(near)]
+    hint = f"; did you mean {' or '.join(f'--{n}' for n in near)}?" if near else "; see python train.py --help"
+    return f"unknown setting --{key}{hint}"
+
+
+def parse_overrides(cfg, argv, given=None):
+    """Apply command-line settings (--key=value, --key value, a bare --flag for booleans) to a
+    Config, checking names and types; the names set are added to `given` (a set) when given."""
     fields = {f.name: f for f in dataclasses.fields(cfg)}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise SystemExit(f"arguments look like --key=value, got {arg!r}")
-        key, value = arg[2:].split("=", 1)
+    for key, value in split_flags(argv):
         if key not in fields:
-            raise SystemExit(f"unknown setting {key!r}; settings: {', '.join(fields)}")
+            raise SystemExit(unknown_setting(key, list(fields)))
         kind = type(getattr(cfg, key))
+        if value is None and kind is not bool:
+            raise SystemExit(f"--{key} needs a value (--{key}=VALUE)")
         try:
             if kind is bool:
-                if value.lower() not in ("true", "false", "1", "0"):
+                if value is not None and value.lower() not in BOOL_WORDS:
                     raise ValueError(value)
-                parsed = value.lower() in ("true", "1")
+                parsed = True if value is None else BOOL_WORDS[value.lower()]
             else:
                 parsed = kind(value)
         except ValueError:
             raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
         setattr(cfg, key, parsed)
+        if given is not None:
+            given.add(key)
     return cfg
 
 
@@ -59,7 +101,8 @@ def config_help(config_class):
             value = getattr(defaults, name)
             entries.append((f"--{name}={value}", type(value).__name__, rest.split("  # ", 1)[1] if "  # " in rest else ""))
     width = max(len(e[0]) for e in entries if e[1])
-    lines = ["usage: python train.py [--key=value ...]   (every GPU of a node: torchrun --nproc_per_node=N train.py ...)",
+    lines = ["usage: python train.py [--key=value | --key value | --flag ...]   (every GPU of a node: torchrun "
+             "--nproc_per_node=N train.py ...)",
              "The settings of train.Config with their defaults; the method and its formulas: docs/METHOD.md."]
     for flag, kind, comment in entries:
         lines += ["", flag] if kind is None else [f"  {flag:<{width}}  {kind:<5}  {comment}".rstrip()]
@@ -82,7 +125,7 @@ AT_LEAST = {  # setting -> smallest allowed value
     "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
     "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
     "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
-    "keep_checkpoints": 0, "log_rollouts": 0, "cpu_threads": 0,
+    "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0,
 }
 POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
             "reflector_timeout")  # > 0
@@ -124,6 +167,9 @@ def check_config(cfg):
             gepa.dev_cap(cfg, len(seeds))
         except ValueError as e:
             raise SystemExit(f"--gepa_budget: {e}") from None
+    check_model(cfg.model)  # after the settings: one HTTP request for an uncached hub id
+    if cfg.reflector not in ("init", "policy") and not cfg.reflector.startswith(("http://", "https://")):
+        check_model(cfg.reflector, "--reflector")
 
 
 def chat_template_kwargs(cfg):
@@ -199,6 +245,20 @@ def cpu_threads(setting, cores=None, local_world=None):
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
     return max(1, cores // max(1, local_world))
+
+
+def load_data(cfg):
+    """(train set, dev set), every row validated before any model loads: a bad file is one line
+    naming the flag, the file and the row."""
+    sets = []
+    for flag in ("train_data", "dev_data"):
+        try:
+            sets.append(load_jsonl(getattr(cfg, flag))[0] if getattr(cfg, flag) else [])
+        except DataError as e:
+            raise SystemExit(f"--{flag}: {e}") from None
+    if cfg.dev_holdout:
+        sets = hold_out(sets[0], cfg.dev_holdout, cfg.seed)
+    return sets
 
 
 def hold_out(problems, n, seed):

@@ -15,6 +15,7 @@ so a conversion killed half-way is never picked up (rename within one directory 
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 
@@ -119,3 +120,43 @@ def resolve_model(name_or_path=DEFAULT_MODEL):
         print(f"converting the shipped GGUF into {out_dir} (once, ~30 s)")
         convert_gguf(shipped_gguf_path(), out_dir)
     return out_dir
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # name or namespace/name (a hub repository id)
+
+
+def check_model(name_or_path, flag="--model"):
+    """Fail fast, in one line, on a model that cannot load, before anything is started: a local
+    path that is not a model folder, a hub id that is neither in the local HF cache nor on the
+    hub (or the hub cannot be reached). Costs one HTTP request for an uncached hub id; nothing
+    is downloaded. The shipped default only needs its wheel."""
+    if name_or_path == DEFAULT_MODEL:
+        if not os.path.isdir(os.path.join(cache_root(), CACHE_NAME)):
+            try:
+                shipped_gguf_path()
+            except FileNotFoundError as e:
+                raise SystemExit(f"{flag}={name_or_path}: {e}") from None
+        return
+    if os.path.exists(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise SystemExit(f"{flag}={name_or_path}: not a model folder (no config.json); a run's checkpoints are "
+                             "runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
+        return
+    if not HUB_ID.fullmatch(name_or_path) or name_or_path.startswith(("runs/", "out/")):
+        raise SystemExit(f"{flag}={name_or_path}: no such folder")
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return  # downloaded before: transformers and vLLM load it from the cache
+    try:
+        HfApi().model_info(name_or_path, timeout=10)
+    except GatedRepoError:
+        raise SystemExit(f"{flag}={name_or_path}: a gated model; accept its licence on the hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise SystemExit(f"{flag}={name_or_path}: no such local folder, and no such model on the hub "
+                         "(or it is private: set HF_TOKEN)") from None
+    except Exception as e:  # noqa: BLE001 - offline, DNS, proxy, timeout: one line, not three tracebacks
+        raise SystemExit(f"{flag}={name_or_path}: not a local folder, not in the HF cache, and the hub cannot be "
+                         f"reached ({type(e).__name__}: {e}); download it where there is network "
+                         f"(huggingface-cli download {name_or_path}) or give a local folder") from None

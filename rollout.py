@@ -191,6 +191,10 @@ class NeverLoadedLayers(logging.Filter):
         return not (layer.endswith("RotaryEmbedding") or (self.tied_head and layer == "ParallelLMHead"))
 
 
+class ContextError(ValueError):
+    """A generate request whose prompt plus max_tokens exceeds the engine's context."""
+
+
 class VLLMRollout:
     """In-process vLLM engine. CPU defaults (KV cache size, no reserved core) come from
     `kv_cache_gib`; on a GPU `gpu_memory_utilization` sizes the cache instead, and with
@@ -201,9 +205,12 @@ class VLLMRollout:
     starting its own. `rank` makes seeded calls differ between ranks (seed_requests); the engine
     itself is seeded with seed + rank. enforce_eager: no CUDA graphs (vLLM-CPU always runs eager:
     its compiled mode took ~110 s to start here for little gain). `llm`: an LLM already built
-    (tests pass a stand-in), with `cpu` saying which platform it behaves as."""
+    (tests pass a stand-in), with `cpu` saying which platform it behaves as.
+    max_model_len: the context (prompt + answer tokens); None = the model's own maximum. A
+    request that cannot fit, its prompt plus max_tokens, is an error (ContextError), never an
+    answer cut short by the context (train.py and eval.py size it from their data)."""
 
-    def __init__(self, model_path, dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gib=1,
+    def __init__(self, model_path, dtype="bfloat16", max_model_len=None, seed=0, kv_cache_gib=1,
                  gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None,
                  external_launcher=False, progress_bars=True, rank=0, llm=None, cpu=None):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
@@ -231,6 +238,7 @@ class VLLMRollout:
         self.asleep = set()  # what sleep() released: "weights", "kv_cache"
         model_config = llm.llm_engine.model_config
         self.dtype = model_config.dtype  # the engine's weights (a torch dtype once vLLM resolved "auto")
+        self.max_model_len = model_config.max_model_len
         self.tied_embeddings = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
         reload_logger = logging.getLogger(RELOAD_LOGGER)
         for old in [f for f in reload_logger.filters if isinstance(f, NeverLoadedLayers)]:
@@ -270,6 +278,10 @@ class VLLMRollout:
 
         self.wake()
         ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
+        longest = max(map(len, ids), default=0)
+        if longest + max_tokens > self.max_model_len:
+            raise ContextError(f"a prompt of {longest} tokens + max_tokens={max_tokens} does not fit the engine's context "
+                               f"of {self.max_model_len} tokens (max_model_len): its answer would be cut short")
         params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                  logprobs=0 if logprobs else None, ignore_eos=ignore_eos,
                                  stop=stop, include_stop_str_in_output=True)

@@ -2,10 +2,13 @@
 
     runs/<run_name>/
         ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is)
+                              + train_config.json (the settings, which eval.py inherits)
                               + trainer.pt: config, loop state, optimizer, scheduler, RNG states
                               (under torchrun the optimizer shard and RNG states of rank R
                               are in rank-R.pt beside it)
-        latest, best          symlinks to the newest / best-dev checkpoint (model folders too)
+        latest, best          symlinks to the newest / best-dev checkpoint (model folders too);
+                              the newest --keep_checkpoints (2) and `best` are kept
+        export-000010/        --export_every: the model alone in bf16 + train_config.json (for eval.py)
         metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
         dev.jsonl             one line per dev eval    tb/              TensorBoard events
         gepa-epoch-N.json     one GEPA round           abandoned/       what a resume set aside
@@ -19,6 +22,7 @@ reached move to abandoned/<time>/, so nothing is lost and no step is logged twic
 """
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -36,10 +40,13 @@ from model import atomic_directory
 from plot import plot_run
 
 
-def checkpoint_step(name):
-    """ckpt-000012 -> 12; anything else -> None."""
-    prefix, _, number = name.partition("-")
-    return int(number) if prefix == "ckpt" and number.isdigit() else None
+TRAIN_CONFIG = "train_config.json"
+
+
+def checkpoint_step(name, prefix="ckpt"):
+    """ckpt-000012 -> 12 (export-000012 -> 12 with prefix="export"); anything else -> None."""
+    head, _, number = name.partition("-")
+    return int(number) if head == prefix and number.isdigit() else None
 
 
 def write_atomic(path, write):
@@ -62,11 +69,13 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     path = os.path.join(run_dir, name)
     if not dist.active():
         if os.path.isdir(path):
+            write_train_config(path, trainer["config"])
             write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
         else:
             with atomic_directory(path) as tmp:
                 policy.save_pretrained(tmp, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
+                write_train_config(tmp, trainer["config"])
                 torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         link_checkpoint(run_dir, "latest", step)
         return path
@@ -75,6 +84,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
         write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))
         dist.barrier()
         if dist.is_main():
+            write_train_config(path, trainer["config"])
             write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
     else:
         weights = dist.full_state_dict(policy, main_only=True)  # a collective; rank 0 writes them, from CPU memory
@@ -88,6 +98,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
         if dist.is_main():
             save_model(policy, weights, tmp)
             tokenizer.save_pretrained(tmp)
+            write_train_config(tmp, trainer["config"])
             torch.save(trainer, os.path.join(tmp, "trainer.pt"))
             os.rename(tmp, path)
     if dist.is_main():
@@ -96,8 +107,33 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     return path
 
 
-def save_model(model, weights, folder):
-    """An FSDP-sharded model's full `weights` as an HF folder. fully_shard changes the model's
+def save_export(run_dir, step, policy, tokenizer, config):
+    """export-NNNNNN/: the model alone, in bf16, with its tokenizer and train_config.json: an HF
+    folder for eval.py, vLLM and transformers at a quarter of a checkpoint's size (no fp32
+    master weights, no optimizer state); written atomically, never pruned. Resuming needs the
+    checkpoints; exports are for evaluation. Under torchrun every rank calls it (the weights
+    are gathered, a collective) and rank 0 writes."""
+    path = os.path.join(run_dir, f"export-{step:06d}")
+    if os.path.isdir(path):  # this branch's weights of that step (start_branch set later ones aside)
+        return path
+    weights = dist.full_state_dict(policy, main_only=True) if dist.active() else policy.state_dict()
+    if dist.is_main():
+        with atomic_directory(path) as tmp:
+            save_model(policy, {k: v.to(torch.bfloat16) for k, v in weights.items()}, tmp, dtype="bfloat16")
+            tokenizer.save_pretrained(tmp)
+            write_train_config(tmp, config)
+    dist.barrier()
+    return path
+
+
+def write_train_config(folder, config):
+    """train_config.json: the run's settings, beside the weights of every checkpoint and export
+    (eval.py takes the prompt format, chat-template arguments, max_tokens and temperature from it)."""
+    write_atomic(os.path.join(folder, TRAIN_CONFIG), lambda tmp: json.dump(config, open(tmp, "w"), indent=1))
+
+
+def save_model(model, weights, folder, dtype=None):
+    """A model's full `weights` (an FSDP-sharded model's too) as an HF folder. fully_shard changes the model's
     class (FSDP<Name>), which save_pretrained would record as the architecture: the original
     class name is written instead, so transformers and vLLM load the folder as usual. A tied
     LM head is the embedding: it is not stored twice (save_pretrained does the same)."""
@@ -108,6 +144,8 @@ def save_model(model, weights, folder):
     config_file = os.path.join(folder, "config.json")
     config = json.load(open(config_file))
     config["architectures"] = [architecture]
+    if dtype:  # the weights' dtype, which loaders with dtype="auto" take
+        config["dtype"] = dtype
     write_atomic(config_file, lambda tmp: json.dump(config, open(tmp, "w"), indent=2))
 
 
@@ -172,16 +210,31 @@ def load_trainer_state(path):
 
 
 def resolve_resume(cfg):
-    """The checkpoint folder to resume from; for 'auto' the run's `latest`, or None when the run
-    has no checkpoint yet (it was stopped before its first one): it then starts from scratch."""
+    """The checkpoint folder to resume from, checked before anything loads. 'auto': the run's
+    `latest`, or None when the run folder exists but has no checkpoint yet (stopped before its
+    first one): it then starts from scratch. A run folder that does not exist is an error that
+    lists the runs that do: a misspelt --run_name must not silently start a long job over."""
     if cfg.resume != "auto":
-        return cfg.resume
+        path = cfg.resume
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "trainer.pt")) \
+                and pointer_target(path, "latest") is not None:
+            raise SystemExit(f"--resume={path} is a run folder; resume its newest checkpoint with "
+                             f"--resume={os.path.join(path, 'latest')} (or --resume=auto --run_name={os.path.basename(os.path.normpath(path))})")
+        if not os.path.isdir(path):
+            raise SystemExit(f"--resume={path}: no such checkpoint folder")
+        return path
     if not cfg.run_name:
         raise SystemExit("--resume=auto needs --run_name")
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    if not os.path.isdir(run_dir):
+        runs = sorted(n for n in os.listdir(cfg.out_dir) if os.path.isdir(os.path.join(cfg.out_dir, n))) \
+            if os.path.isdir(cfg.out_dir) else []
+        near = difflib.get_close_matches(cfg.run_name, runs, n=1, cutoff=0.6)
+        raise SystemExit(f"--resume=auto: no run folder {run_dir}" + (f"; did you mean --run_name={near[0]}?" if near else "")
+                         + (f" (runs in {cfg.out_dir}/: {', '.join(runs)})" if runs else f" ({cfg.out_dir}/ holds no runs)"))
     target = pointer_target(run_dir, "latest")
     if target is None:
-        print(f"--resume=auto: no checkpoint yet ({run_dir}/latest does not exist); starting from scratch")
+        print(f"--resume=auto: {run_dir} has no checkpoint yet; starting it from scratch")
         return None
     return os.path.join(run_dir, target)
 
@@ -207,6 +260,8 @@ def start_branch(run_dir, step, epoch, resumed_from):
         n, stale = checkpoint_step(name), False
         if n is not None:  # a later checkpoint, or one of this step that is not the resumed one
             stale = n > step or (n == step and os.path.realpath(path) != os.path.realpath(resumed_from or path))
+        elif checkpoint_step(name, "export") is not None:
+            stale = checkpoint_step(name, "export") > step
         elif name.startswith("gepa-epoch-") and name.endswith(".json"):
             stale = int(name[len("gepa-epoch-"):-len(".json")]) >= epoch
         if stale:
@@ -236,7 +291,7 @@ def start_branch(run_dir, step, epoch, resumed_from):
             write_atomic(path, lambda tmp: open(tmp, "w").writelines(keep))
 
 
-def route_library_logs(run_dir, rank=0):
+def route_library_logs(run_dir, rank=0, name=None):
     """Send vLLM's, transformers' and Python's warnings to <run>/engine.log (engine-rank<R>.log
     under torchrun) instead of the console, which keeps the project's own lines: the config,
     the progress bar, dev evaluations, GEPA summaries and the final summary. Call before the
@@ -246,7 +301,10 @@ def route_library_logs(run_dir, rank=0):
 
     from transformers.utils import logging as hf_logging
 
-    handler = logging.FileHandler(os.path.join(run_dir, "engine.log" if rank == 0 else f"engine-rank{rank}.log"))
+    name = name or "engine.log"  # eval.py: <out>.engine.log
+    if rank:
+        name = name.replace(".log", f"-rank{rank}.log")
+    handler = logging.FileHandler(os.path.join(run_dir, name))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # a vLLM imported from now on adds no console handler
     hf_logging.disable_default_handler()
@@ -405,6 +463,15 @@ class StopSignal:
     def restore(self):
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflection_tokens")  # policy compute
+
+
+def generated_tokens(counts):
+    """Tokens the policy (or its frozen copy) generated for training: rollouts, GEPA's answers
+    and reflections. Dev evaluations are not counted (every arm of a comparison runs the same)."""
+    return sum(counts[k] for k in GENERATED)
 
 
 def time_summary(seconds, total):

@@ -14,10 +14,9 @@
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
     torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; docs/GPU.md)
 
-Every setting lives in `Config` below; `--key=value` overrides it (types are checked, unknown
-keys and values out of range are errors before anything loads). The method, its formulas and
-our defaults are in docs/METHOD.md. One step (`train_step`), readable in this file, grpo.py and
-distill.py:
+Every setting lives in `Config` below; `--key=value` (or `--key value`, a bare `--flag`) overrides
+it. Settings, paths, the model and the data are checked before anything loads (config.py). The
+method: docs/METHOD.md. One step (`train_step`), readable in this file, grpo.py and distill.py:
 
     collect_groups   B prompts -> K rollouts each (vLLM; a prompt that was hard last epoch gets
                      one GEPA template per rollout) -> rewards -> hard-prompt mining (-> DAPO refill)
@@ -63,15 +62,15 @@ import dist
 import distill
 import gepa
 import grpo
-from data import load_jsonl
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model
-from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, hold_out,
+from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, load_data,
                     parse_overrides, pick_device, shared_prompt_refusal)
 from prompts import problem_messages
 from rollout import EngineReflector, HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
-from runs import (RunLog, StopSignal, link_checkpoint, load_rank_state, load_trainer_state, print_summary,
-                  prune_checkpoints, resolve_resume, route_library_logs, save_checkpoint, start_branch, time_summary)
+from runs import (RunLog, StopSignal, generated_tokens, link_checkpoint, load_rank_state, load_trainer_state,
+                  print_summary, prune_checkpoints, resolve_resume, route_library_logs, save_checkpoint, save_export,
+                  start_branch, time_summary)
 from verify import reward as verify_reward
 
 
@@ -164,7 +163,8 @@ class Config:
     eval_every: int = 5  # dev evaluation every N steps (and before and after training)
     eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
     save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
-    keep_checkpoints: int = 0  # > 0: keep only the newest N checkpoints (and latest's and best's); 0 = keep all
+    keep_checkpoints: int = 2  # keep the newest N checkpoints (and best's); 0 = keep all (each holds weights + optimizer state)
+    export_every: int = 0  # > 0: every N steps and at the end also write export-NNNNNN/, the model alone in bf16 (for eval.py; kept)
     log_rollouts: int = 4  # groups per step written to rollouts.jsonl
     wandb_project: str = ""  # also log to Weights & Biases under this project ('' = TensorBoard only; WANDB_MODE=offline works)
     seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
@@ -759,7 +759,7 @@ class Run:
     seconds: Counter = field(default_factory=Counter)  # wall time of this process by phase (the summary's line)
 
 
-def start_run(cfg, resume_path, saved, engine, reward_fn, reflector):
+def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     """Join the process group, make the run folder, load data and models, build the optimizer
     and put back a checkpoint's state (resume_point read it) -> Run."""
     started = time.perf_counter()
@@ -780,10 +780,7 @@ def start_run(cfg, resume_path, saved, engine, reward_fn, reflector):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    train_set = load_jsonl(cfg.train_data)[0]
-    dev_set = load_jsonl(cfg.dev_data)[0] if cfg.dev_data else []
-    if cfg.dev_holdout:
-        train_set, dev_set = hold_out(train_set, cfg.dev_holdout, cfg.seed)
+    train_set, dev_set = data
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -836,6 +833,13 @@ def checkpoint(run):
         prune_checkpoints(run.run_dir, run.cfg.keep_checkpoints)
     run.seconds["checkpoints"] += time.perf_counter() - t
     return path
+
+
+def export(run):
+    """export-NNNNNN/: this step's model alone in bf16 (runs.save_export), beside the checkpoints."""
+    t = time.perf_counter()
+    save_export(run.run_dir, run.state.step, run.policy, run.tokenizer, dataclasses.asdict(run.cfg))
+    run.seconds["checkpoints"] += time.perf_counter() - t
 
 
 def dev_eval(run):
@@ -913,9 +917,10 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     global loss denominators and pushes the gathered weights into its engine. Rank 0 alone
     runs GEPA, logs and writes files; the loop state it leaves is broadcast to the others."""
     cfg, resume_path, saved = resume_point(cfg, given)
-    check_config(cfg)
+    check_config(cfg)  # settings, model and reflector: one line each, before anything loads
+    data = load_data(cfg)
     reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
-    run = start_run(cfg, resume_path, saved, engine, reward_fn, reflector)
+    run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
     state, is_main = run.state, run.is_main
     stop = StopSignal()
     if is_main:
@@ -945,9 +950,13 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
                 dev_eval(run)
             if cfg.save_every and state.step % cfg.save_every == 0:
                 checkpoint(run)
+            if cfg.export_every and state.step % cfg.export_every == 0:
+                export(run)
         if state.step >= run.total_steps and epoch_over(run):
             end_epoch(run, search=False)  # the last epoch's hard set, recorded; no GEPA round after the run
         final_path = checkpoint(run)
+        if cfg.export_every and state.step % cfg.export_every:  # the last step's weights, for evaluation
+            export(run)
         if dist.all_max(int(stop.signal is not None)):  # every rank takes the same branch
             if is_main:
                 print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
@@ -972,15 +981,6 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
             "gepa_history": state.gepa_history, "dev": records, "state": state}
 
 
-GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflection_tokens")  # policy compute
-
-
-def generated_tokens(counts):
-    """Tokens the policy (or its frozen copy) generated for training: rollouts, GEPA's answers
-    and reflections. Dev evaluations are not counted (every arm of a comparison runs the same)."""
-    return sum(counts[k] for k in GENERATED)
-
-
 def budget_spent(state, cfg):
     """--max_gen_tokens: the run stops at the first step boundary at or past the budget (a
     step or a GEPA round may overshoot it; compare.py reports the actual spend)."""
@@ -991,8 +991,8 @@ def main(argv):
     if {"-h", "--help"} & set(argv):
         print(config_help(Config))
         return
-    cfg = parse_overrides(Config(), argv)
-    train(cfg, given={arg[2:].split("=", 1)[0] for arg in argv})  # on resume, the flags win over the saved settings
+    given = set()  # on resume, the flags win over the saved settings
+    train(parse_overrides(Config(), argv, given), given=given)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def config(args):
     return train.Config(
         model=args.model, backend="hf", train_data=args.data, dev_data="", algo="p2o",
         prompts_per_step=3, group_size=4, max_tokens=6, temperature=1.0, micro_batch_size=5, lr=1e-3,
-        warmup_steps=1, eval_every=0, epochs=2, max_steps=0, save_every=3, autocast_bf16=False, seed=5,
+        warmup_steps=1, eval_every=0, epochs=2, max_steps=0, save_every=3, keep_checkpoints=0, autocast_bf16=False, seed=5,
         tau=2, gepa_min_hard=1, gepa_budget=30, gepa_parents=3, gepa_minibatch=1,
         out_dir=args.out, run_name=RUN_NAME, resume="auto" if args.resume else "")
 

@@ -103,9 +103,15 @@ def test_eval_cli_end_to_end(vllm_engine, tmp_path, monkeypatch, capsys):
             for i in range(3)]
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(evaluation, "make_rollout", lambda *a, **k: vllm_engine)
+    made = {}
+    monkeypatch.setattr(evaluation, "make_rollout", lambda *a, **k: made.update(k) or vllm_engine)
     out = tmp_path / "res.json"
     assert evaluation.main([f"--data={path}", "--k=2", "--max_tokens=32", f"--out={out}"]) == 0
+    from rollout import encode_prompt
+
+    longest = max(len(encode_prompt(vllm_engine.tokenizer, evaluation.problem_messages(
+        Problem(r["id"], r["problem"], r["answer"], source=r["source"])))) for r in rows)
+    assert made["max_model_len"] == longest + 32 and made["gpu_memory_utilization"] == 0.9
     result = json.loads(out.read_text())["results"][str(path)]
     assert result["k"] == 2 and result["overall"]["problems"] == 3
     assert 0.0 <= result["overall"]["greedy"] <= 1.0
@@ -137,7 +143,7 @@ def test_eval_under_torchrun_shards_problems_and_rank0_merges(tiny_model, tmp_pa
     assert all(len(r["sampled"]["responses"]) == 2 for r in samples["two"])
     result = json.loads((tmp_path / "two.json").read_text())["results"][str(path)]
     assert result["overall"]["problems"] == 5 and set(result["by_source"]) == {"builtin/add1", "builtin/add2"}
-    assert not list(tmp_path.glob("two*rank*"))  # only rank 0 wrote
+    assert [p.name for p in tmp_path.glob("two*rank*")] == ["two.engine-rank1.log"]  # rank 1: its engine's log only
 
 
 def test_eval_takes_a_runs_latest_link_as_model(tiny_model, tmp_path, capsys):
@@ -185,3 +191,68 @@ def test_the_engine_context_holds_the_longest_prompt_and_max_tokens(model_path, 
         evaluation.eval_context(model_path, problems, args, "Be careful.")
     args.max_model_len = 8192
     assert evaluation.eval_context(model_path, problems, args, "Be careful.") == 8192
+
+
+def test_majority_vote_groups_equivalent_answers_and_breaks_ties_by_first_answer():
+    from eval import majority_reward
+
+    # gold 1/2: "0.5" and "\frac{1}{2}" are one vote (2) against "7" (1) -> the right answer wins
+    assert majority_reward(["0.5", "7", "\\frac{1}{2}"], [1.0, 0.0, 1.0]) == 1.0
+    # three "3" against two halves, and unboxed samples do not vote -> wrong
+    assert majority_reward(["1/2", "\\frac{1}{2}", "3", "3", None, "3"], [1, 1, 0, 0, 0, 0]) == 0.0
+    assert majority_reward(["5", "4"], [0.0, 1.0]) == 0.0 and majority_reward(["4", "5"], [1.0, 0.0]) == 1.0  # tie
+    assert majority_reward([None, None], [0.0, 0.0]) == 0.0
+    row = evaluation.summarize([{"rewards": [1.0], "extracted": ["2"], "truncated": [False]}] * 2,
+                               [{"rewards": [0.0, 1.0, 1.0], "extracted": ["3", "2", "2"], "lengths": [1, 1, 1]},
+                                {"rewards": [0.0, 0.0, 1.0], "extracted": ["3", "3", "2"], "lengths": [1, 1, 1]}], 3)
+    assert row["maj@3"] == 0.5 and row["avg@3"] == pytest.approx(0.5)
+
+
+def test_a_checkpoint_passes_on_its_training_settings_and_flags_win(tmp_path):
+    import torch
+
+    ckpt = tmp_path / "ckpt-000010"
+    ckpt.mkdir()
+    (ckpt / "train_config.json").write_text(json.dumps({
+        "prompt_format": "official", "chat_template_kwargs": '{"enable_thinking": false}', "max_tokens": 77,
+        "temperature": 0.3, "lr": 1e-6}))
+    args = evaluation.parse_args([f"--model={ckpt}", "--temperature=0.9"])
+    assert evaluation.inherit_settings(args) == {"prompt_format": "official", "max_tokens": 77,
+                                                  "chat_template_kwargs": '{"enable_thinking": false}'}
+    assert (args.prompt_format, args.max_tokens, args.temperature, args.top_p) == ("official", 77, 0.9, 1.0)
+    old = tmp_path / "old"  # a checkpoint written before train_config.json: its trainer.pt's config
+    old.mkdir()
+    torch.save({"config": {"max_tokens": 55, "top_p": 0.95}, "loop": {}}, old / "trainer.pt")
+    args = evaluation.parse_args([f"--model={old}"])
+    assert evaluation.inherit_settings(args) == {"max_tokens": 55, "top_p": 0.95}
+    assert (args.prompt_format, args.max_tokens, args.temperature) == ("default", 55, 0.6)
+    args = evaluation.parse_args(["--model=Qwen/Qwen3-0.6B"])  # not a folder: the defaults
+    assert evaluation.inherit_settings(args) == {} and args.max_tokens == 256
+
+
+def test_eval_of_a_run_checkpoint_uses_its_prompt_format_and_chat_kwargs(tiny_model, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    ckpt = tmp_path / "run" / "ckpt-000002"
+    shutil.copytree(tiny_model, ckpt)
+    (ckpt / "train_config.json").write_text(json.dumps({"prompt_format": "official", "max_tokens": 5,
+                                                        "chat_template_kwargs": '{"enable_thinking": false}'}))
+    made = {}
+    real = evaluation.make_rollout
+
+    def record(backend, path, **options):
+        made.update(options)
+        return real(backend, path, **options)
+    monkeypatch.setattr(evaluation, "make_rollout", record)
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"id": "a", "problem": "What is 1 + 2?", "answer": "3"}) + "\n")
+    out = tmp_path / "res.json"
+    assert evaluation.main([f"--model={ckpt}", "--backend=hf", "--dtype=float32", f"--data={path}", "--k=0",
+                            f"--out={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "settings of the run that trained" in printed and "--prompt_format='official'" in printed
+    assert made["chat_template_kwargs"] == {"enable_thinking": False}
+    sample = json.loads((tmp_path / "res.samples.jsonl").read_text())
+    assert sample["prompt"].startswith("Let's think step by step") and max(sample["lengths"]) <= 5
+    assert json.loads(out.read_text())["config"]["max_tokens"] == 5
+    assert (tmp_path / "res.engine.log").exists()  # library logs go beside the results

@@ -181,7 +181,8 @@ class StandInLLM:
 
     def __init__(self, model, tokenizer, corrupt=None):
         self.model, self.tokenizer, self.corrupt, self.calls = model, tokenizer, corrupt, []
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16, hf_config=model.config))
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16, hf_config=model.config,
+                                                                       max_model_len=512))
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: model))
 
     def get_tokenizer(self):
@@ -394,3 +395,18 @@ def test_hf_push_copies_every_parameter_and_persistent_buffers(tiny_model):
         engine.push_weights({k: v for k, v in state.items() if "layers.0.mlp" not in k})
     with pytest.raises(WeightPushError, match="no parameter model.bogus"):
         engine.push_weights({**state, "model.bogus": torch.zeros(1)})
+
+
+def test_a_request_that_cannot_fit_the_context_is_an_error_not_a_short_answer(tiny_model, vllm_engine):
+    from rollout import ContextError, encode_prompt
+
+    engine = cuda_engine(tiny_model)
+    prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    length = len(encode_prompt(engine.tokenizer, prompt))
+    engine.generate([prompt], max_tokens=512 - length)  # exactly the context: fine
+    with pytest.raises(ContextError, match=f"a prompt of {length} tokens \\+ max_tokens={513 - length} does not fit "
+                                           "the engine's context of 512 tokens"):
+        engine.generate([prompt, [{"role": "user", "content": "Hi"}]], max_tokens=513 - length)
+    assert vllm_engine.max_model_len == 1024  # the real engine reports the context it was built with
+    with pytest.raises(ContextError):
+        vllm_engine.generate([prompt], max_tokens=1024)

@@ -75,14 +75,29 @@ def test_a_same_step_checkpoint_of_another_run_is_set_aside(tmp_path):
 
 def test_resolve_resume(tmp_path):
     cfg = Config(out_dir=str(tmp_path), run_name="r", resume="auto")
-    assert resolve_resume(cfg) is None  # nothing saved yet: start from scratch
+    with pytest.raises(SystemExit, match=r"no run folder .*r \(.* holds no runs\)"):
+        resolve_resume(cfg)  # a run that does not exist is not started over
     (tmp_path / "r").mkdir()
+    assert resolve_resume(cfg) is None  # the folder, nothing saved yet: start from scratch
     (tmp_path / "r" / "latest").write_text("ckpt-000010\n")  # a run written before pointers were links
     assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000010")
     link_checkpoint(str(tmp_path / "r"), "latest", 12)
     assert resolve_resume(cfg) == os.path.join(str(tmp_path), "r", "ckpt-000012")
     with pytest.raises(SystemExit, match="run_name"):
         resolve_resume(Config(resume="auto"))
+
+
+def test_resume_of_a_misspelt_run_or_a_run_folder_is_an_error_that_says_what_to_type(tmp_path):
+    for name in ("p2o-seed1", "grpo-seed1"):
+        (tmp_path / name).mkdir()
+    link_checkpoint(str(tmp_path / "p2o-seed1"), "latest", 4)
+    typo = Config(out_dir=str(tmp_path), run_name="p2o-sed1", resume="auto")
+    with pytest.raises(SystemExit, match=r"did you mean --run_name=p2o-seed1\? \(runs in .*: grpo-seed1, p2o-seed1\)"):
+        resolve_resume(typo)
+    with pytest.raises(SystemExit, match=r"is a run folder; .*--resume=.*p2o-seed1/latest"):
+        resolve_resume(Config(resume=str(tmp_path / "p2o-seed1")))
+    with pytest.raises(SystemExit, match="no such checkpoint folder"):
+        resolve_resume(Config(resume=str(tmp_path / "p2o-seed1" / "ckpt-000009")))
 
 
 def test_pointers_into_what_was_set_aside_are_removed(tmp_path):
@@ -271,3 +286,12 @@ def test_wandb_offline_run_gets_tensorboards_scalars_a_rollout_table_and_resumes
     expected = [(s, f"p{s}", str(s), "", f"\\boxed{{{s}}}", 1.0) for s in (1, 2, 3)] + \
                [(s, f"p{s}", str(s), "Check twice.", "no idea", 0.0) for s in (1, 2, 3)]
     assert sorted(tuple(row) for t in increments for row in t["data"]) == sorted(expected)  # group 99: not sampled
+
+
+def test_a_resume_sets_aside_exports_of_later_steps(tmp_path):
+    run = tmp_path / "run"
+    for name in ("ckpt-000002", "export-000002", "export-000004", "ckpt-000004"):
+        (run / name).mkdir(parents=True)
+    start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
+    assert sorted(p.name for p in run.iterdir() if p.name != "abandoned") == ["ckpt-000002", "export-000002"]
+    assert sorted(p.name for p in (run / "abandoned").glob("*/*")) == ["ckpt-000004", "export-000004"]

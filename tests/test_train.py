@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 
+import config
 import train
 from train import Config, PromptStream, parse_overrides
 
@@ -605,12 +606,12 @@ def test_two_mini_batches_take_two_steps_the_second_off_policy(tiny_model):
 
 def test_hold_out_is_a_seeded_disjoint_split():
     items = list(range(20))
-    train_part, dev_part = train.hold_out(items, 5, seed=1)
+    train_part, dev_part = config.hold_out(items, 5, seed=1)
     assert len(dev_part) == 5 and sorted(train_part + dev_part) == items
-    assert train.hold_out(items, 5, seed=1) == (train_part, dev_part)
-    assert train.hold_out(items, 5, seed=2)[1] != dev_part
+    assert config.hold_out(items, 5, seed=1) == (train_part, dev_part)
+    assert config.hold_out(items, 5, seed=2)[1] != dev_part
     with pytest.raises(SystemExit, match="dev_holdout"):
-        train.hold_out(items, 20, seed=1)
+        config.hold_out(items, 20, seed=1)
 
 
 def test_best_dev_checkpoint_is_kept_and_named(tiny_model, tmp_path):
@@ -767,6 +768,32 @@ def test_keep_checkpoints_keeps_the_newest_and_the_best(tiny_model, tmp_path):
     run = tmp_path / "t"
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000002", "ckpt-000004"]  # best, latest
     assert os.readlink(run / "best") == "ckpt-000002" and os.readlink(run / "latest") == "ckpt-000004"
+
+
+def test_default_keeps_two_checkpoints_and_exports_are_bf16_model_folders_with_the_settings(tiny_model, tmp_path):
+    """Disk defaults: the newest 2 checkpoints (+ best) stay; --export_every writes the model
+    alone in bf16 (every N steps and the last) with train_config.json, and no export is pruned."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(tiny_model, tmp_path, train_data=small_data(tmp_path), dev_data="", max_steps=5, save_every=1,
+                      export_every=2, prompts_per_step=2, chat_template_kwargs='{"x": 1}')
+    assert Config().keep_checkpoints == 2
+    out = train.train(cfg, reward_fn=parity_reward)
+    run = tmp_path / "t"
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000005"]
+    assert sorted(p.name for p in run.glob("export-*")) == ["export-000002", "export-000004", "export-000005"]
+    last = load_file(str(run / "export-000005" / "model.safetensors"))
+    assert {v.dtype for v in last.values()} == {torch.bfloat16}
+    master = {k: v for k, v in out["policy"].state_dict().items()}
+    for name, value in last.items():  # the fp32 master weights rounded to bf16, exactly
+        assert torch.equal(value, master[name].to(torch.bfloat16)), name
+    assert "lm_head.weight" not in last  # tied to the embedding: stored once
+    loaded = AutoModelForCausalLM.from_pretrained(str(run / "export-000005"))
+    assert loaded.dtype == torch.bfloat16
+    for folder in ("export-000002", "ckpt-000005"):
+        saved = json.loads((run / folder / "train_config.json").read_text())
+        assert saved["chat_template_kwargs"] == '{"x": 1}' and saved["export_every"] == 2
 
 
 # ----------------------------------------------------------------------------- issue 20: latent bugs, config, resume
