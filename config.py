@@ -173,13 +173,15 @@ def check_config(cfg):
 
 
 def chat_template_kwargs(cfg):
-    """--chat_template_kwargs as a dict ({} when empty); a clear error for anything but a JSON object."""
+    """--chat_template_kwargs as a dict ({} when empty); a clear error for anything but a JSON
+    object. `cfg`: a Config or anything with that attribute (eval.py's arguments)."""
+    text = cfg.chat_template_kwargs
     try:
-        kwargs = json.loads(cfg.chat_template_kwargs or "{}")
+        kwargs = json.loads(text or "{}")
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r} ({e})") from None
+        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {text!r} ({e})") from None
     if not isinstance(kwargs, dict):
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r}")
+        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {text!r}")
     return kwargs
 
 

@@ -33,6 +33,7 @@ from collections import defaultdict
 import torch
 
 import dist
+from config import chat_template_kwargs
 from data import DataError, load_jsonl
 from gepa import read_seed_templates
 from model import check_model, resolve_model
@@ -241,11 +242,7 @@ def load_inputs(args):
     if taken and dist.is_main():
         print(f"settings of the run that trained {args.model} (flags override): "
               + ", ".join(f"--{k}={v!r}" for k, v in taken.items()))
-    try:
-        chat_kwargs = json.loads(args.chat_template_kwargs or "{}")
-        assert isinstance(chat_kwargs, dict)
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {args.chat_template_kwargs!r}") from None
+    chat_kwargs = chat_template_kwargs(args)
     check_model(args.model)
     benchmarks = {}
     for name in args.data.split(","):
@@ -265,7 +262,7 @@ def make_engine(args, benchmarks, template, chat_kwargs, rank):
     options = {"rank": rank, "chat_template_kwargs": chat_kwargs or None}  # seeded samples differ between ranks
     if args.backend == "vllm":
         every_problem = [p for ps in benchmarks.values() for p in ps]
-        options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager,
+        options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager, progress_bars=args.verbose,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_model_len=eval_context(model_path, every_problem, args, template, chat_kwargs))
     return make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed, **options)

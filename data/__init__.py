@@ -50,14 +50,20 @@ def resolve_data(name_or_path):
     return name_or_path
 
 
-def parse_row(line):
-    """One JSONL line -> Problem, or ValueError saying what is wrong with it."""
+def json_object(line):
+    """One JSONL line -> dict, or ValueError saying why it is not a JSON object."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def parse_row(line):
+    """One JSONL line -> Problem, or ValueError saying what is wrong with it."""
+    row = json_object(line)
     for key in REQUIRED:
         if key not in row:
             raise ValueError(f"missing field {key!r}{PREP_HINT}")

@@ -38,7 +38,6 @@ import argparse
 import csv
 import hashlib
 import itertools
-import json
 import math
 import numbers
 import os
@@ -48,7 +47,7 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import DATA_DIR, Problem, write_jsonl  # noqa: E402
+from data import DATA_DIR, Problem, json_object, write_jsonl  # noqa: E402
 
 FILE_TYPES = (".jsonl", ".parquet", ".csv")
 MAPPING_OPTIONS = ("problem", "answer", "id", "solution", "source", "split", "config")
@@ -339,11 +338,9 @@ def _jsonl_rows(path):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PrepError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise PrepError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                row = json_object(line)
+            except ValueError as e:
+                raise PrepError(f"{path}:{lineno}: {e}") from None
             yield row
 
 
