@@ -29,7 +29,7 @@ def config(tiny_model, data, out_dir, **overrides):
     return {"model": tiny_model, "backend": "hf", "train_data": data["train"], "dev_data": data["dev"],
             "algo": "p2o", "prompts_per_step": 4, "group_size": 4, "max_tokens": 8, "temperature": 1.0,
             "micro_batch_size": 3, "mini_batches": 2, "kl_beta": 0.01, "dynamic_sampling": True, "lr": 1e-3,
-            "warmup_steps": 1, "eval_every": 3, "eval_k": 2, "max_steps": 6, "save_every": 2,
+            "warmup_steps": 1, "eval_every": 3, "eval_k": 2, "max_steps": 6, "save_every": 2, "keep_checkpoints": 0,
             "autocast_bf16": False, "seed": 3, "tau": 2, "gepa_min_hard": 1, "gepa_budget": 30, "gepa_parents": 3,
             "gepa_minibatch": 1, "out_dir": str(out_dir), "run_name": "run", **overrides}
 
