@@ -209,13 +209,14 @@ def parse_args(argv):
     ap.add_argument("--model", default="smollm2-135m", help="HF id, local folder, or the shipped default")
     ap.add_argument("--data", default="builtin-test", help="comma-separated names or .jsonl paths")
     ap.add_argument("--k", type=int, default=None, help="samples per problem (default: the paper's protocol, docs/METHOD.md §6)")
-    inherited = " (default: the checkpoint's training setting, else %s)"
-    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature" + inherited % 0.6)
-    ap.add_argument("--top_p", type=float, default=None, help="nucleus sampling" + inherited % 1.0)
-    ap.add_argument("--max_tokens", type=int, default=None, help="answer tokens" + inherited % 256)
-    ap.add_argument("--prompt_format", default=None, choices=FORMATS, help="as train.py's" + inherited % "default")
+    def inherited(name):
+        return f" (default: the checkpoint's training setting, else {INHERITED[name] or 'none'})"
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature" + inherited("temperature"))
+    ap.add_argument("--top_p", type=float, default=None, help="nucleus sampling" + inherited("top_p"))
+    ap.add_argument("--max_tokens", type=int, default=None, help="answer tokens" + inherited("max_tokens"))
+    ap.add_argument("--prompt_format", default=None, choices=FORMATS, help="as train.py's" + inherited("prompt_format"))
     ap.add_argument("--chat_template_kwargs", default=None, help="JSON for the chat template, e.g. "
-                    "'{\"enable_thinking\": false}'" + inherited % "none")
+                    "'{\"enable_thinking\": false}'" + inherited("chat_template_kwargs"))
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)

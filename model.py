@@ -106,14 +106,20 @@ def pad_token_id(tokenizer):
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def require_model_folder(path, label):
+    """A path that exists must be an HF model folder (with config.json): else one line, `label` first."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"{label}: not a model folder (no config.json); a run's checkpoints are "
+                         "runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
+
+
 def resolve_model(name_or_path=DEFAULT_MODEL):
     """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept. A path that
     exists must be a model folder (with config.json), e.g. runs/<run>/latest; anything else that
     exists is a clear error here rather than a parse error deep inside transformers."""
     if name_or_path != DEFAULT_MODEL:
-        if os.path.exists(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            raise SystemExit(f"{name_or_path}: not a model folder (no config.json); a run's checkpoints are "
-                             "runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
+        if os.path.exists(name_or_path):
+            require_model_folder(name_or_path, name_or_path)
         return name_or_path
     out_dir = os.path.join(cache_root(), CACHE_NAME)
     if not os.path.isdir(out_dir):
@@ -138,9 +144,7 @@ def check_model(name_or_path, flag="--model"):
                 raise SystemExit(f"{flag}={name_or_path}: {e}") from None
         return
     if os.path.exists(name_or_path):
-        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            raise SystemExit(f"{flag}={name_or_path}: not a model folder (no config.json); a run's checkpoints are "
-                             "runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
+        require_model_folder(name_or_path, f"{flag}={name_or_path}")
         return
     if not HUB_ID.fullmatch(name_or_path) or name_or_path.startswith(("runs/", "out/")):
         raise SystemExit(f"{flag}={name_or_path}: no such folder")

@@ -109,8 +109,8 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
 
 def save_export(run_dir, step, policy, tokenizer, config):
     """export-NNNNNN/: the model alone, in bf16, with its tokenizer and train_config.json: an HF
-    folder for eval.py, vLLM and transformers at a quarter of a checkpoint's size (no fp32
-    master weights, no optimizer state); written atomically, never pruned. Resuming needs the
+    folder for eval.py, vLLM and transformers at a sixth of a checkpoint's size (2 bytes a
+    parameter against 4 for the fp32 master weights + 8 for AdamW's moments); written atomically, never pruned. Resuming needs the
     checkpoints; exports are for evaluation. Under torchrun every rank calls it (the weights
     are gathered, a collective) and rank 0 writes."""
     path = os.path.join(run_dir, f"export-{step:06d}")

@@ -760,8 +760,8 @@ class Run:
 
 
 def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
-    """Join the process group, make the run folder, load data and models, build the optimizer
-    and put back a checkpoint's state (resume_point read it) -> Run."""
+    """Join the process group, make the run folder, load the models for `data` (load_data's sets),
+    build the optimizer and put back a checkpoint's state (resume_point read it) -> Run."""
     started = time.perf_counter()
     rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)  # GEPA: the others wait
     is_main = dist.is_main()
