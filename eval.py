@@ -40,7 +40,7 @@ from model import check_model, resolve_model
 from prompts import FORMATS, problem_messages
 from rollout import make_rollout
 from runs import TRAIN_CONFIG, route_library_logs
-from verify import check
+from verify import CHECKS, check
 
 SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (the paper's protocol)
 
@@ -71,11 +71,11 @@ def pass_ks(k):
     return ks + [k] if k else []
 
 
-def score_groups(problems, messages, groups):
-    """Per problem: responses, verdicts -> one record each (the per-sample JSONL rows)."""
+def score_groups(problems, messages, groups, reward="ours"):
+    """Per problem: responses, verdicts (verify.CHECKS[reward]) -> one record each (the per-sample JSONL rows)."""
     records = []
     for p, m, group in zip(problems, messages, groups):
-        verdicts = [check(s.text, p.answer) for s in group]
+        verdicts = [CHECKS[reward](s.text, p.answer) for s in group]
         records.append({
             "id": p.id, "source": p.source, "answer": p.answer, "prompt": m[-1]["content"],
             "fewshot_turns": (len(m) - 1) // 2,
@@ -123,16 +123,17 @@ def summarize(greedy, sampled, k):
 
 
 def answer_records(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True,
-                   seed=None, prompt_format="default", template=""):
+                   seed=None, prompt_format="default", template="", reward="ours"):
     """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given):
     one record per problem, its greedy response first, the samples under "sampled". `template`:
-    a P²O template applied to every problem (prompts.apply_template; '' = none)."""
+    a P²O template applied to every problem (prompts.apply_template; '' = none); `reward`: the
+    rule that scores them (train.py's --reward)."""
     messages = [problem_messages(p, template, fmt=prompt_format) for p in problems]
     greedy = score_groups(problems, messages, engine.generate(
-        messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
+        messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress), reward)
     sampled = score_groups(problems, messages, engine.generate(
         messages, n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-        progress=progress, seed=seed)) if k else [None] * len(problems)
+        progress=progress, seed=seed), reward) if k else [None] * len(problems)
     return [{**g, "sampled": s} for g, s in zip(greedy, sampled)]
 
 
@@ -177,7 +178,7 @@ def eval_context(model_path, problems, args, template="", chat_kwargs=None):
 # Settings a run's checkpoint (train_config.json, or trainer.pt of older runs) passes on to its
 # evaluation unless given as flags: answers are scored as the model was trained to give them.
 INHERITED = {"prompt_format": "default", "chat_template_kwargs": "", "max_tokens": 256, "temperature": 0.6,
-             "top_p": 1.0}
+             "top_p": 1.0, "reward": "ours"}
 
 
 def training_settings(model):
@@ -217,6 +218,8 @@ def parse_args(argv):
     ap.add_argument("--prompt_format", default=None, choices=FORMATS, help="as train.py's" + inherited("prompt_format"))
     ap.add_argument("--chat_template_kwargs", default=None, help="JSON for the chat template, e.g. "
                     "'{\"enable_thinking\": false}'" + inherited("chat_template_kwargs"))
+    ap.add_argument("--reward", default=None, choices=tuple(CHECKS), help="the reward rule, as train.py's"
+                    + inherited("reward"))
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
@@ -291,7 +294,7 @@ def main(argv=None):
                   + f", up to {args.max_tokens} tokens" + (f", over {world} processes" if world > 1 else ""))
         mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
                               args.max_tokens, seed=args.seed, prompt_format=args.prompt_format,
-                              template=template)
+                              template=template, reward=args.reward)
         records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}

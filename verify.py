@@ -19,9 +19,22 @@ dropped). Cheap cases never reach the child: the same text up to `\\dfrac`/`\\tf
 integer is written (`004`, `+4`, `-0`) (reason 'exact_match'), and two integers of different value
 ('not_equivalent'). math-verify gives these the same verdicts, except that it scores identical
 text it cannot parse 0.
+
+Two rules, chosen by name through REWARDS (train.py reads `verify.REWARDS[cfg.reward]`):
+
+- "ours" (`reward`/`check`): the final box decides, however many boxes there are;
+- "official" (`official_reward`/`official_check`): the effect of the reward in the reference P2O
+  code (its DeepMath `reward_func`): 0 unless the response contains the text `\\boxed` exactly
+  once; then `check`, and where `check` says 0 a lenient numeric comparison (relative tolerance
+  1e-4, and the gold answer also read as a percentage, /100 or *100).
+
+    "First guess \\boxed{3}; no, it is \\boxed{4}." vs "4":  ours 1, official 0 (two boxes)
+    "\\boxed{0.5}" vs "50":  ours 0, official 1 (the percentage reading)
+    "\\boxed{3.14159}" vs "3.1416":  ours 0, official 1 (relative 1e-4)
 """
 
 import json
+import math
 import os
 import re
 import select
@@ -42,7 +55,8 @@ class Verdict:
     reward: float  # 1.0 or 0.0
     extracted: str | None  # content of the final box, None when there is none
     reason: str  # exact_match | equivalent | not_equivalent | no_box | unclosed_box | empty_box |
-    #              answer_too_long | too_deeply_nested | unparsable | timeout | worker_died
+    #              answer_too_long | too_deeply_nested | unparsable | timeout | worker_died |
+    #              (official rule only) not_one_box | numeric_close
 
 
 def reward(response: str, answer: str) -> float:
@@ -68,6 +82,93 @@ def check(response: str, answer: str, timeout: float = DEFAULT_TIMEOUT) -> Verdi
         return Verdict(decided, pred, "exact_match" if decided else "not_equivalent")
     outcome = _WORKER.equivalent(gold, pred, timeout)
     return Verdict(1.0 if outcome == "equivalent" else 0.0, pred, outcome)
+
+
+# ----------------------------------------------------------------------------- the official rule
+
+NUMERIC_TOLERANCE = 1e-4  # the reference's relative tolerance for two numbers
+
+
+def official_reward(response: str, answer: str) -> float:
+    """The reference P2O code's DeepMath reward, as 1.0 or 0.0 (see official_check)."""
+    return official_check(response, answer).reward
+
+
+def official_check(response: str, answer: str, timeout: float = DEFAULT_TIMEOUT) -> Verdict:
+    """The reference P2O DeepMath reward: 1 iff the response holds the text `\\boxed` exactly once
+    and the box's content matches the answer.
+
+    Accepted beyond `check`: with exactly one box, a box that `check` scores 0 still scores 1
+    (reason 'numeric_close') when both answers read as plain decimal numbers (see plain_number)
+    and the prediction is within relative 1e-4 of the gold value, of gold/100 or of gold*100 (the
+    reference's percentage reading: `0.5` for `50`, `50` for `0.5`).
+    Refused beyond `check`: any response in which `\\boxed` does not occur exactly once, counted as
+    plain text like the reference does, so a `\\boxed` with no braces or a box inside a box
+    counts too (reason 'not_one_box').
+
+    Left out of the reference: its symbolic path (sympy's parse_expr, which evals, then sympy's
+    parse_latex, then simplify(a - b) == 0 or numeric closeness); on model text we keep
+    math-verify's LaTeX parser only, in the child, as `check` does. Also left out is the rest of
+    its answer normaliser: case-insensitive text equality, units, `\\text{}`, `$`/`%` anywhere,
+    `^\\circ`, words like "million", mixed numbers; any comma (it drops them all, reading `1,2` as
+    12); tuples and intervals compared element by element. Its math-verify call reads the whole
+    response, ours the box only, so a lone `\\boxed` without braces scores 0 here even where
+    math-verify would find an answer elsewhere in the text; and where an `\\fbox{}` follows the one
+    `\\boxed{}`, `check` reads the `\\fbox`.
+    """
+    if not isinstance(response, str) or not isinstance(answer, str):
+        raise TypeError("response and answer must be str")
+    if response.count("\\boxed") != 1:
+        return Verdict(0.0, None, "not_one_box")
+    verdict = check(response, answer, timeout)
+    if verdict.reward or verdict.extracted is None:
+        return verdict
+    if numeric_close(verdict.extracted, clean(unwrap_boxes(answer))):
+        return Verdict(1.0, verdict.extracted, "numeric_close")
+    return verdict
+
+
+def numeric_close(pred, gold):
+    """True iff both strings read as plain numbers and pred is within relative NUMERIC_TOLERANCE of
+    gold, gold/100 or gold*100.
+
+    >>> numeric_close("0.5", "50\\%"), numeric_close("100.02", "100")
+    (True, False)
+    """
+    p, g = plain_number(pred), plain_number(gold)
+    if p is None or g is None:
+        return False
+    return any(math.isclose(p, x, rel_tol=NUMERIC_TOLERANCE) for x in (g, g / 100, g * 100))
+
+
+# a sign, then digits (ungrouped, or in groups of three split by `,` or `{,}`) with an optional
+# decimal part, or a bare decimal part (`.5`)
+DECIMAL = re.compile(r"[+-]?(?:(?:[0-9]{1,3}(?:(?:,|\{,\})[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)")
+
+
+def plain_number(s):
+    """The value of a plain decimal number, or None. Around it may be `$...$`, a leading `\\$` or
+    `$` (money) and a trailing `%` or `\\%` (the number itself is kept: the percentage reading is
+    numeric_close's). A strict grammar, not float(): float also reads `inf`, `nan`, `1e5`, `1_0`.
+
+    >>> plain_number("$-1{,}234.5$"), plain_number("\\$7"), plain_number("12\\%"), plain_number("1,2")
+    (-1234.5, 7.0, 12.0, None)
+    """
+    s = s.strip()
+    if len(s) >= 2 and s[0] == s[-1] == "$":
+        s = s[1:-1].strip()
+    for prefix in ("\\$", "$"):
+        if s.startswith(prefix):
+            s = s[len(prefix):].lstrip()
+            break
+    for suffix in ("\\%", "%"):
+        if s.endswith(suffix):
+            s = s[:-len(suffix)].rstrip()
+            break
+    if not DECIMAL.fullmatch(s):
+        return None
+    value = float(s.replace("{,}", "").replace(",", ""))
+    return value if math.isfinite(value) else None  # 400 digits overflow to inf, and inf is close to inf
 
 
 # ----------------------------------------------------------------------------- extraction
@@ -273,3 +374,6 @@ class _Worker:
 
 
 _WORKER = _Worker()
+
+REWARDS = {"ours": reward, "official": official_reward}  # train.py: verify.REWARDS[cfg.reward]
+CHECKS = {"ours": check, "official": official_check}  # the same rules with their verdicts (eval.py)

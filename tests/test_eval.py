@@ -256,3 +256,23 @@ def test_eval_of_a_run_checkpoint_uses_its_prompt_format_and_chat_kwargs(tiny_mo
     assert sample["prompt"].startswith("Let's think step by step") and max(sample["lengths"]) <= 5
     assert json.loads(out.read_text())["config"]["max_tokens"] == 5
     assert (tmp_path / "res.engine.log").exists()  # library logs go beside the results
+
+
+def test_the_reward_rule_is_inherited_and_scores_the_answers(tmp_path):
+    """--reward=official (from the checkpoint's run or a flag): two boxes score 0, a number within
+    relative 1e-4 scores 1; ours scores the final box and wants the value exactly."""
+    ckpt = tmp_path / "ckpt-000001"
+    ckpt.mkdir()
+    (ckpt / "train_config.json").write_text(json.dumps({"reward": "official"}))
+    args = evaluation.parse_args([f"--model={ckpt}"])
+    assert evaluation.inherit_settings(args) == {"reward": "official"} and args.reward == "official"
+    assert evaluation.parse_args(["--model=x", "--reward=ours"]).reward == "ours"
+
+    class Answers:
+        def generate(self, messages, n=1, **_):
+            return [[Sample([1], [2], text, "stop")] for text in ("\\boxed{3} no, \\boxed{4}", "\\boxed{100.005}")]
+
+    problems = [Problem("a", "p", "4"), Problem("b", "q", "100")]
+    ours = [r["rewards"][0] for r in answer_records(Answers(), problems, progress=False)]
+    official = [r["rewards"][0] for r in answer_records(Answers(), problems, progress=False, reward="official")]
+    assert ours == [1.0, 0.0] and official == [0.0, 1.0]
