@@ -17,7 +17,9 @@ The search is pure logic around two callables, so it can be read and tested alon
 `cfg` everywhere is train.Config (duck-typed, never imported here); only its GEPA and guard
 fields are read: gepa_budget, gepa_auto, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
 gepa_max_iterations, max_template_chars, template_max_growth, guard_copy_words,
-reflect_answer_chars, and for the assignment group_size (K), same_template_per_group, bare_rollout.
+reflect_answer_chars, reflect_max_tokens, the variant switches reflect_prompt, reflect_guards,
+gepa_selection, gepa_accounting, and for the assignment group_size (K), same_template_per_group,
+bare_rollout.
 
 Human-Ref: `run_gepa(..., seeds=[...])` starts the pool with given templates beside the empty
 one (train.py reads them from --seed_templates); they are scored on dev, selected, covered and
@@ -41,6 +43,19 @@ dev set is capped so that the seeds' dev evaluations plus one full proposal fit:
 budget too small for that raises ValueError rather than silently assigning no templates. With a
 preset (gepa_auto: the reference code's light ... heavy_16) the budget is computed from |dev|
 instead (auto_budget).
+
+The reference code's variants (zlkqz/P2O), each its own switch, read with getattr so that an
+older config means "ours": --gepa_selection=official keeps zero-score ties in the fronts (an item
+nobody solves holds every candidate), prunes nothing, and takes every front member when there are
+at most W of them, else W DISTINCT parents drawn one by one in proportion to their fronts
+(select_parents_official). --gepa_accounting=official charges nothing for the seeds' dev
+evaluations nor for iterations 0 and 1, and from iteration 2 on charges b per parent plus |dev|
+per accepted child (the children's minibatch answers are free); the round stops before an
+iteration once the charge has reached the budget, every iteration takes W parents, and |dev| is
+not capped by the budget. metric_calls still counts every answer made (it can pass the budget:
+that is the rule) and `charged` what the rule counted; gepa_max_iterations still bounds the round.
+--reflect_prompt=official asks with GEPA's instruction-proposal prompt (in our words) and parses
+the reply between ``` fences; --reflect_guards=False keeps only the parse and the empty check.
 """
 
 import math
@@ -54,6 +69,26 @@ from verify import check
 
 DELIM_OPEN, DELIM_CLOSE = "<template>", "</template>"
 
+# The variant switches (train.Config; config.py validates against these). Each defaults to
+# "ours" when a config does not have it (_setting), so configs saved before them still load.
+REFLECT_PROMPTS = ("ours", "official")
+SELECTIONS = ("ours", "official")
+ACCOUNTINGS = ("ours", "official")
+_VARIANTS = {"reflect_prompt": REFLECT_PROMPTS, "gepa_selection": SELECTIONS, "gepa_accounting": ACCOUNTINGS}
+
+
+def _setting(cfg, name):
+    """cfg.<name> for a variant switch, "ours" when cfg predates it; an unknown value is an error
+    here too, so that a typo cannot silently run the other variant."""
+    value = getattr(cfg, name, "ours")
+    if value not in _VARIANTS[name]:
+        raise ValueError(f"{name} must be one of {_VARIANTS[name]}, got {value!r}")
+    return value
+
+
+def _official(cfg, name):
+    return _setting(cfg, name) == "official"
+
 
 @dataclass
 class GepaResult:
@@ -65,7 +100,8 @@ class GepaResult:
     assignment: dict  # hard prompt id -> K templates
     chosen: list  # set-cover indices into pool
     log: list = field(default_factory=list)  # one entry per proposal: parent, outcome, reason
-    metric_calls: int = 0  # never above budget
+    metric_calls: int = 0  # every answer made (the true compute); never above budget under ours
+    charged: int = 0  # what the accounting rule counted against the budget (ours: metric_calls)
     budget: int = 0  # the round's budget: cfg.gepa_budget, or the preset's for its dev set
     reflection_calls: int = 0
     rejections: Counter = field(default_factory=Counter)
@@ -74,7 +110,7 @@ class GepaResult:
         return {"pool": self.pool, "parents": self.parents, "scores": self.scores,
                 "dev_ids": self.dev_ids, "train_ids": self.train_ids, "chosen": self.chosen,
                 "assignment": self.assignment, "log": self.log, "metric_calls": self.metric_calls,
-                "budget": self.budget, "reflection_calls": self.reflection_calls,
+                "charged": self.charged, "budget": self.budget, "reflection_calls": self.reflection_calls,
                 "rejections": dict(self.rejections),
                 "best_dev_score": self.best_dev_score()}
 
@@ -87,7 +123,7 @@ class GepaResult:
                 "proposals": sum(e["outcome"] != "skipped_all_correct" for e in self.log),
                 "rejections": dict(self.rejections), "best_dev_score": self.best_dev_score(),
                 "chosen": len(self.chosen), "assigned": len(self.assignment), "metric_calls": self.metric_calls,
-                "budget": self.budget}
+                "charged": self.charged, "budget": self.budget}
 
 
 # ----------------------------------------------------------------------------- selection
@@ -113,8 +149,10 @@ def dev_cap(cfg, n_seeds=0):
     """Most dev items the budget allows: min(gepa_dev_max, (budget - 2b) // (2 + n_seeds)), so
     that the dev evaluations of the empty seed and of n_seeds given templates ((1 + n_seeds)
     |dev|) plus one full proposal (2b + |dev|) fit in it. E.g. budget 200, b 3 -> 97. With a
-    preset (gepa_auto) the budget follows the dev set instead: gepa_dev_max."""
-    if cfg.gepa_auto:
+    preset (gepa_auto) the budget follows the dev set instead: gepa_dev_max. So it does under
+    official accounting, which charges no seed evaluation and reserves nothing (the reference
+    code sizes its dev set without looking at the budget)."""
+    if cfg.gepa_auto or _official(cfg, "gepa_accounting"):
         return cfg.gepa_dev_max
     b = cfg.gepa_minibatch
     cap = min(cfg.gepa_dev_max, (cfg.gepa_budget - 2 * b) // (2 + n_seeds))
@@ -127,9 +165,10 @@ def dev_cap(cfg, n_seeds=0):
 
 def round_budget(cfg, dev_size, n_seeds):
     """The round's metric-call budget: gepa_budget, or the gepa_auto preset's for dev_size items.
-    Either must cover the dev evaluations of the empty template and the n_seeds seeds."""
+    Under ours it must cover the dev evaluations of the empty template and the n_seeds seeds;
+    official accounting does not charge them."""
     budget = auto_budget(cfg.gepa_auto, dev_size) if cfg.gepa_auto else cfg.gepa_budget
-    if (1 + n_seeds) * dev_size > budget:
+    if not _official(cfg, "gepa_accounting") and (1 + n_seeds) * dev_size > budget:
         raise ValueError(f"GEPA budget {budget} cannot score the empty template and {n_seeds} seed templates "
                          f"on {dev_size} dev items")
     return budget
@@ -190,16 +229,60 @@ def prune_dominated(fronts, scores):
     return survivors
 
 
-def select_parents(scores, n, rng):
-    """n parents (with replacement), each drawn with probability ∝ its number of fronts
-    after pruning. With no front at all (nothing solved yet), draw uniformly from the pool."""
+def official_fronts(scores):
+    """The reference code's fronts: for each dev item, the candidates whose score on it equals
+    the best over all candidates, zero included (an item nobody solves holds every candidate).
+    The reference builds them incrementally: each item starts at {seed} with the seed's score, and
+    a new candidate with a higher score replaces the set, one with an equal score joins it. By
+    induction over the candidates in pool order, the running best is the max of the prefix and the
+    set is that prefix's argmax, so after the last candidate it is this full-matrix argmax set;
+    nothing there uses 0/1 scores (tests/test_gepa_official.py replays the incremental rule
+    on random 0/1 and 0/1/2 matrices)."""
+    fronts = []
+    for j in range(len(scores[0]) if scores else 0):
+        best = max(row[j] for row in scores)
+        fronts.append({c for c, row in enumerate(scores) if row[j] == best})
+    return fronts
+
+
+def parent_weights(scores, selection="ours"):
+    """{candidate: weight} of one parent draw; a draw picks c with probability weight / total.
+    ours: the survivors of prune_dominated over the fronts of solved items, each weighted by its
+    number of fronts (every candidate 1 while nothing is solved). official: every candidate on
+    an official front, weighted by its number of fronts (the reference's ParetoCandidateSelector
+    counts); with no dev item at all, every candidate 1, as the reference falls back to."""
+    if selection == "official":
+        counts = Counter(c for f in official_fronts(scores) for c in f)
+        return dict(sorted(counts.items())) or {c: 1 for c in range(len(scores))}
     fronts = pareto_fronts(scores)
     survivors = prune_dominated(fronts, scores)
     if not survivors:
+        return {c: 1 for c in range(len(scores))}
+    return {c: sum(c in f for f in fronts) for c in sorted(survivors)}
+
+
+def select_parents(scores, n, rng):
+    """n parents (with replacement), each drawn with probability ∝ its number of fronts
+    after pruning. With no front at all (nothing solved yet), draw uniformly from the pool."""
+    if not any(map(any, scores)):  # randrange, not choices: the same draws as rounds run before
         return [rng.randrange(len(scores)) for _ in range(n)]
-    cands = sorted(survivors)
-    weights = [sum(c in f for f in fronts) for c in cands]
-    return rng.choices(cands, weights=weights, k=n)
+    weights = parent_weights(scores)
+    return rng.choices(list(weights), weights=list(weights.values()), k=n)
+
+
+def select_parents_official(scores, n, rng):
+    """The reference's parents: every official front member when there are at most n of them
+    (sorted), else n DISTINCT ones drawn one by one, each ∝ its number of fronts among those not
+    yet taken. So an iteration has min(n, |union of fronts|) parents, and an early pool (the seed
+    alone) gives one."""
+    weights = parent_weights(scores, "official")
+    if len(weights) <= n:
+        return list(weights)
+    taken = []
+    for _ in range(n):
+        cands = [c for c in weights if c not in taken]
+        taken.append(rng.choices(cands, weights=[weights[c] for c in cands], k=1)[0])
+    return taken
 
 
 def greedy_set_cover(scores):
@@ -263,6 +346,109 @@ def reflection_record(item, response, answer_chars):
 def meta_prompt(template, records):
     return META_PROMPT.format(template=template or "(empty: no instruction)", records="\n\n".join(records),
                               delim_open=DELIM_OPEN, delim_close=DELIM_CLOSE)
+
+
+# The official prompt: GEPA's instruction-proposal prompt as the reference code sends it, said
+# in our own words. It shows the instruction and the examples in ``` blocks, asks the reflector to
+# infer the task, to put niche domain facts from the responses and feedback into the instruction
+# and to keep any strategy that generalises, and to answer inside ``` blocks (extract_template).
+OFFICIAL_PROMPT = """An assistant was given the instruction below for a task I want done:
+```
+{template}
+```
+
+Below are some inputs of that task as the assistant received them, the response it gave to each, \
+and feedback on how each response could have been better:
+```
+{examples}
+```
+
+Your job is to write a new instruction for the assistant.
+
+Study the inputs closely: work out how they are formatted and infer a detailed description of \
+the task I want the assistant to solve.
+
+Then go through every response and its feedback. Find all the niche, domain-specific facts \
+about the task and write them into the new instruction, since much of this knowledge may not be \
+available to the assistant later on. If the assistant followed a strategy that would also work \
+on other inputs of the task, describe that strategy in the instruction too.
+
+Give the new instruction inside ``` blocks."""
+
+
+def official_feedback(response, answer, reward):
+    """The reference's three feedback cases: a response without exactly one \\boxed (its
+    reward's format test: none, or several) gets a format-error note; otherwise right or wrong;
+    each names the correct answer and ends with the reward. The format note is the longest of the
+    three, which longest_reflection_prompt relies on."""
+    if response.count("\\boxed") != 1:
+        text = ("The final answer has to be given once, in the required format, with no further "
+                "explanation; this response may have left out the \\boxed{} answer tag or used it more "
+                f"than once. The correct answer is '{answer}'.\n\nCompare your reasoning with the "
+                "correct answer, and check the format of your output.")
+    elif reward > 0:
+        text = f"The final answer is correct. The correct answer is '{answer}'."
+    else:
+        text = f"The final answer is wrong. The correct answer is '{answer}'."
+    return f"{text}\n\nReward: {reward:.2f}"
+
+
+def official_examples(items, responses, rewards, answer_chars):
+    """The examples as markdown sections: the input (the problem as the policy saw it, without
+    the template), the response cut to answer_chars, the feedback."""
+    return "\n\n".join(
+        f"# Example {i}\n## Input\n{item.problem.strip()}\n\n## Response\n{response[:answer_chars].strip()}\n\n"
+        f"## Feedback\n{official_feedback(response, item.answer.strip(), reward)}"
+        for i, (item, response, reward) in enumerate(zip(items, responses, rewards), 1))
+
+
+def reflection_prompt(cfg, template, minibatch, responses, rewards):
+    """The meta-prompt for one parent and its minibatch, in the --reflect_prompt style: ours
+    (reflection_record + META_PROMPT; it verifies the answers itself) or official. rewards: the
+    minibatch's scores under the parent, as reward_fn gave them."""
+    if _official(cfg, "reflect_prompt"):
+        return OFFICIAL_PROMPT.format(template=template.strip(), examples=official_examples(
+            minibatch, responses, rewards, cfg.reflect_answer_chars))
+    records = [reflection_record(it, r, cfg.reflect_answer_chars) for it, r in zip(minibatch, responses)]
+    return meta_prompt(template, records)
+
+
+def reflector_framing(cfg):
+    """How a local reflector frames the call (rollout.EngineReflector(**...)): ours prefills the
+    reply with the opening delimiter and stops at the closing one (a small model rarely writes them
+    itself); official sends the prompt as the one user message and reads the whole reply."""
+    if _official(cfg, "reflect_prompt"):
+        return {"prefill": "", "stop": []}
+    return {"prefill": DELIM_OPEN, "stop": [DELIM_CLOSE]}
+
+
+def max_template_length(cfg):
+    """The longest template a prompt can carry, in characters or (guards off) tokens: the guards
+    cap a child at max_template_chars; without them a child is bounded only by the reflector's reply
+    (reflect_max_tokens tokens), and a seed template still by max_template_chars."""
+    if getattr(cfg, "reflect_guards", True):
+        return cfg.max_template_chars
+    return max(cfg.max_template_chars, cfg.reflect_max_tokens)
+
+
+def reflection_cut_chars(cfg):
+    """The parts of a reflection prompt that longest_reflection_prompt leaves empty, counted as one
+    token a character: the parent template (max_template_length), and per minibatch item the answer
+    cut to reflect_answer_chars (ours also shows the extracted answer, cut alike)."""
+    per_item = 1 if _official(cfg, "reflect_prompt") else 2
+    return max_template_length(cfg) + per_item * cfg.reflect_answer_chars * cfg.gepa_minibatch
+
+
+def longest_reflection_prompt(cfg, problems):
+    """The chat messages of the longest reflection call the run can make, but for the parts
+    reflection_cut_chars counts: the b problems with the longest text and answer, an empty parent
+    and empty answers (the official prompt then shows its longest, format-error feedback), in the
+    framing of reflector_framing. config.context_length: tokens of these + reflection_cut_chars +
+    reflect_max_tokens."""
+    longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
+    text = reflection_prompt(cfg, "", longest, [""] * len(longest), [0.0] * len(longest))
+    prefill = reflector_framing(cfg)["prefill"]
+    return [{"role": "user", "content": text}] + ([{"role": "assistant", "content": prefill}] if prefill else [])
 
 
 def _normal(text):
@@ -364,35 +550,62 @@ _FORMAT_CONFLICT = re.compile(r"(do not|don't|never|without|instead of|avoid)\W+
 _SPECIAL = re.compile(r"<\|[^|>]*\|>|<s>|</s>|<bos>|<eos>|\[INST\]")
 
 
-def guard(text, finished, parent, pool, minibatch, cfg):
-    """The template inside the reflector's output, or (None, reason) for a rejection."""
-    if not finished:
-        return None, "truncated"
+def extract_template(text, cfg):
+    """The template in a reflector's reply, or None when the reply has none to parse.
+    ours: the text between the first <template> and the next </template> (None without them).
+    official: between the first and the last ``` when the reply has at least two, else the
+    whole reply; then backticks and whitespace trimmed, and a first line that is only a
+    "markdown" language tag dropped (the reference drops any leading "markdown", which would also
+    cut a template that starts with that word)."""
+    if _official(cfg, "reflect_prompt"):
+        text = text.strip()
+        if text.count("```") >= 2:
+            text = text[text.find("```") + 3:text.rfind("```")]
+        text = text.strip("`" + string.whitespace)
+        first, _, rest = text.partition("\n")
+        return (rest if first.strip().lower() == "markdown" else text).strip()
     start = text.find(DELIM_OPEN)
     end = text.find(DELIM_CLOSE, start + len(DELIM_OPEN)) if start >= 0 else -1
-    if start < 0 or end < 0:
+    return text[start + len(DELIM_OPEN):end].strip() if start >= 0 and end >= 0 else None
+
+
+def guard(text, finished, parent, pool, minibatch, cfg):
+    """The template inside the reflector's output, or (None, reason) for a rejection. With
+    --reflect_guards=False only the parse (no_delimiter) and an empty template reject, as in the
+    reference code; a reply cut by the token limit is then parsed like any other."""
+    guarded = getattr(cfg, "reflect_guards", True)
+    if guarded and not finished:
+        return None, "truncated"
+    tpl = extract_template(text, cfg)
+    if tpl is None:
         return None, "no_delimiter"
-    tpl = text[start + len(DELIM_OPEN):end].strip()
     if not tpl:
         return None, "empty"
+    reason = content_guard(tpl, parent, pool, minibatch, cfg) if guarded else None
+    return (None, reason) if reason else (tpl, "ok")
+
+
+def content_guard(tpl, parent, pool, minibatch, cfg):
+    """Why a parsed, non-empty template is rejected, or None: too long, repetitive, a duplicate,
+    special tokens, a conflict with the answer format, a minibatch answer or a copied problem."""
     if len(tpl) > cfg.max_template_chars or (parent and len(tpl) > cfg.template_max_growth * len(parent)):
-        return None, "too_long"
+        return "too_long"
     words = tpl.lower().split()
     grams = Counter(tuple(words[i:i + 3]) for i in range(len(words) - 2))
     if grams and max(grams.values()) >= 3 or (len(words) >= 8 and len(set(words)) < 0.3 * len(words)):
-        return None, "repetition"
+        return "repetition"
     if _normal(tpl) == _normal(parent) or any(_normal(tpl) == _normal(p) for p in pool):
-        return None, "duplicate"
+        return "duplicate"
     if _SPECIAL.search(tpl):
-        return None, "special_tokens"
+        return "special_tokens"
     if _FORMAT_CONFLICT.search(tpl):
-        return None, "format_conflict"
+        return "format_conflict"
     for item in minibatch:
         if leaks_answer(tpl, item.answer):
-            return None, "answer_leak"
+            return "answer_leak"
         if copies_problem(tpl, item.problem, cfg.guard_copy_words):
-            return None, "problem_copy"
-    return tpl, "ok"
+            return "problem_copy"
+    return None
 
 
 # ----------------------------------------------------------------------------- the search
@@ -411,14 +624,74 @@ def next_minibatches(train, order, cursor, n, b, rng):
     return batches, cursor
 
 
+def parents_allowed(cfg, res, iteration, dev_size):
+    """How many parents iteration `iteration` may take; 0 ends the round.
+    ours: W, or fewer when the unreserved budget holds fewer reservations of 2b + |dev| (the most
+    one parent's proposal can spend), so metric_calls never passes the budget.
+    official: W while the charge is below the budget, and always in iterations 0 and 1 (they are
+    not charged); an iteration that will not fit whole still runs, as in the reference."""
+    if _official(cfg, "gepa_accounting"):
+        return cfg.gepa_parents if iteration < 2 or res.charged < res.budget else 0
+    return min(cfg.gepa_parents, (res.budget - res.metric_calls) // (2 * cfg.gepa_minibatch + dev_size))
+
+
+def official_charge(cfg, iteration, n_parents, accepted, dev_size):
+    """The official rule's charge for a finished iteration: nothing for iterations 0 and 1, then b
+    per parent (the parents' minibatch answers; the children's are not charged) plus |dev| per
+    accepted child. b even where the train set is smaller than b, as the reference charges."""
+    return 0 if iteration < 2 else cfg.gepa_minibatch * n_parents + accepted * dev_size
+
+
+def propose(res, iteration, parents, batches, dev, score, reflect_fn, cfg):
+    """One iteration's proposals: each parent answers its minibatch (all correct: skipped), one
+    batched reflection call, the guards, the child on the same minibatch, acceptance, and an
+    accepted child's dev evaluation; log, rejections and pool updated in res. -> children accepted."""
+    parent_scores, prompts, live = [], [], []
+    for p, mb in zip(parents, batches):
+        s, responses = score(res.pool[p], mb, "gepa_minibatch")
+        parent_scores.append(sum(s))
+        if sum(s) == len(mb):
+            res.log.append({"iteration": iteration, "parent": p, "outcome": "skipped_all_correct"})
+            continue
+        prompts.append(reflection_prompt(cfg, res.pool[p], mb, responses, s))
+        live.append(len(parent_scores) - 1)
+    outputs = reflect_fn(prompts) if prompts else []
+    res.reflection_calls += len(prompts)
+    accepted = 0
+    for idx, output in zip(live, outputs):
+        p, mb = parents[idx], batches[idx]
+        text, finished = output or ("", False)  # None: the reflection call failed (a server reflector)
+        child, reason = guard(text, finished, res.pool[p], res.pool, mb, cfg) if output else (None, "call_failed")
+        entry = {"iteration": iteration, "parent": p, "proposal": text[:2000]}
+        if child is None:
+            res.rejections[reason] += 1
+            res.log.append({**entry, "outcome": "rejected", "reason": reason})
+            continue
+        child_score = sum(score(child, mb, "gepa_minibatch")[0])
+        if not accept_child(parent_scores[idx], child_score):
+            res.rejections["not_better"] += 1
+            res.log.append({**entry, "outcome": "rejected", "reason": "not_better", "template": child,
+                            "minibatch": [parent_scores[idx], child_score]})
+            continue
+        res.pool.append(child)
+        res.parents.append(p)
+        res.scores.append([int(s) for s in score(child, dev, "gepa_dev")[0]])
+        res.log.append({**entry, "outcome": "accepted", "template": child, "index": len(res.pool) - 1,
+                        "minibatch": [parent_scores[idx], child_score], "dev_score": sum(res.scores[-1]) / len(dev)})
+        accepted += 1
+    return accepted
+
+
 def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=None, seeds=()):
     """Evolve templates for the hard items; return the pool, scores, lineage and assignment
     (cfg.group_size templates per hard item; one for the whole group with cfg.same_template_per_group).
     reward_fn(response, item) -> 0/1 scores an answer (default: verify.check against item.answer).
     seeds: given templates (Human-Ref) that start the pool beside the empty one; each is scored
-    on the dev items like any candidate, and the metric calls count."""
+    on the dev items like any candidate, and the metric calls count (under official accounting
+    they are made but not charged, as the reference's seed evaluation)."""
     reward_fn = reward_fn or (lambda response, item: check(response, item.answer).reward)
-    b = cfg.gepa_minibatch
+    official = _official(cfg, "gepa_accounting")
+    select = select_parents_official if _official(cfg, "gepa_selection") else select_parents
     seeds = [t for t in seeds if t]
     dev, train = split_dev_train(hard, dev_cap(cfg, len(seeds)), rng)
     train = train or dev  # a tiny hard set: reflect on dev items too (then they are not held out)
@@ -434,51 +707,19 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=Non
 
     for template in res.pool:
         res.scores.append([int(s) for s in score(template, dev, "gepa_dev")[0]])
+    res.charged = 0 if official else res.metric_calls
     order, cursor = list(range(len(train))), len(train)
-    reservation = 2 * b + len(dev)  # the most one proposal can spend: parent, child, child on dev
     for iteration in range(cfg.gepa_max_iterations):
-        # Parents one by one while the next reservation fits the unreserved budget; a parent
-        # never spends more than its reservation, so metric_calls <= gepa_budget holds throughout.
-        n_parents = min(cfg.gepa_parents, (budget - res.metric_calls) // reservation)
+        n_parents = parents_allowed(cfg, res, iteration, len(dev))
         if n_parents < 1:
             break
-        parents = select_parents(res.scores, n_parents, rng)
-        # ---- answer each parent's minibatch under the parent
-        batches, cursor = next_minibatches(train, order, cursor, len(parents), b, rng)
-        parent_scores, prompts, live = [], [], []
-        for p, mb in zip(parents, batches):
-            s, responses = score(res.pool[p], mb, "gepa_minibatch")
-            parent_scores.append(sum(s))
-            if sum(s) == len(mb):
-                res.log.append({"iteration": iteration, "parent": p, "outcome": "skipped_all_correct"})
-                continue
-            records = [reflection_record(it, r, cfg.reflect_answer_chars) for it, r in zip(mb, responses)]
-            prompts.append(meta_prompt(res.pool[p], records))
-            live.append(len(parent_scores) - 1)
-        # ---- reflect (one batched call), guard, test on the same minibatch
-        outputs = reflect_fn(prompts) if prompts else []
-        res.reflection_calls += len(prompts)
-        for idx, output in zip(live, outputs):
-            p, mb = parents[idx], batches[idx]
-            text, finished = output or ("", False)  # None: the reflection call failed (a server reflector)
-            child, reason = guard(text, finished, res.pool[p], res.pool, mb, cfg) if output else (None, "call_failed")
-            entry = {"iteration": iteration, "parent": p, "proposal": text[:2000]}
-            if child is None:
-                res.rejections[reason] += 1
-                res.log.append({**entry, "outcome": "rejected", "reason": reason})
-                continue
-            child_score = sum(score(child, mb, "gepa_minibatch")[0])
-            if not accept_child(parent_scores[idx], child_score):
-                res.rejections["not_better"] += 1
-                res.log.append({**entry, "outcome": "rejected", "reason": "not_better", "template": child,
-                                "minibatch": [parent_scores[idx], child_score]})
-                continue
-            res.pool.append(child)
-            res.parents.append(p)
-            res.scores.append([int(s) for s in score(child, dev, "gepa_dev")[0]])
-            res.log.append({**entry, "outcome": "accepted", "template": child, "index": len(res.pool) - 1,
-                            "minibatch": [parent_scores[idx], child_score],
-                            "dev_score": sum(res.scores[-1]) / len(dev)})
+        parents = select(res.scores, n_parents, rng)
+        batches, cursor = next_minibatches(train, order, cursor, len(parents), cfg.gepa_minibatch, rng)
+        accepted = propose(res, iteration, parents, batches, dev, score, reflect_fn, cfg)
+        if official:
+            res.charged += official_charge(cfg, iteration, len(parents), accepted, len(dev))
+        else:
+            res.charged = res.metric_calls
         if progress:
             progress(res)
     res.chosen = greedy_set_cover(res.scores)

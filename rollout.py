@@ -487,21 +487,27 @@ class EngineReflector:
     `engine` answers as it is (the training engine: the current policy; another model's
     engine: a teacher), or, with `swap` (a state dict, e.g. the frozen starting weights), holds
     `swap` for the call and `restore` (the policy's state dict) again after it, even when the
-    call fails. The answer is prefilled with the opening delimiter and stops at the closing one:
-    a small reflector rarely writes the delimiters by itself; `finished` is False when the reply
-    ran out of tokens first. Seeds: self.seed for a call, advanced by its number of prompts.
+    call fails. By default (prefill, stop None) the answer is prefilled with gepa's opening
+    delimiter and stops at the closing one: a small reflector rarely writes the delimiters by
+    itself. gepa.reflector_framing(cfg) gives both per --reflect_prompt; the official prompt's
+    (prefill "", stop []) sends the prompt as the one user message and reads the whole reply.
+    The returned text starts with the prefill; `finished` is False when the reply ran out of tokens
+    first. Seeds: self.seed for a call, advanced by its number of prompts.
     Generated tokens are policy compute: counts["reflection_tokens"]."""
 
-    def __init__(self, engine, temperature=0.8, max_tokens=120, seed=0, counts=None, swap=None, restore=None):
+    def __init__(self, engine, temperature=0.8, max_tokens=120, seed=0, counts=None, swap=None, restore=None,
+                 prefill=None, stop=None):
         if (swap is None) != (restore is None):
             raise ValueError("swap and restore go together: the weights to reflect with and those to put back")
         self.engine, self.temperature, self.max_tokens, self.seed = engine, temperature, max_tokens, seed
         self.counts = Counter() if counts is None else counts
         self.swap, self.restore = swap, restore
-
-    def reflect(self, prompts):
         from gepa import DELIM_CLOSE, DELIM_OPEN  # the delimiters the guards parse
 
+        self.prefill = DELIM_OPEN if prefill is None else prefill
+        self.stop = [DELIM_CLOSE] if stop is None else list(stop)
+
+    def reflect(self, prompts):
         # an engine that holds the policy's own tensors (the HF backend in one process) would lose
         # them to the swap: put back a copy. vLLM copies what it is pushed: `restore` as it is
         current = self.restore
@@ -509,16 +515,18 @@ class EngineReflector:
             current = {k: v.detach().clone() for k, v in self.restore.items()}
         if self.swap is not None:
             self.engine.push_weights(self.swap)
+        # an empty prefill sends no assistant turn at all: an empty one would be continued, not opened
+        prefill = [{"role": "assistant", "content": self.prefill}] if self.prefill else []
         try:
             out = self.engine.generate(
-                [[{"role": "user", "content": p}, {"role": "assistant", "content": DELIM_OPEN}] for p in prompts],
-                n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed, stop=[DELIM_CLOSE])
+                [[{"role": "user", "content": p}, *prefill] for p in prompts],
+                n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed, stop=self.stop or None)
         finally:
             if self.swap is not None:
                 self.engine.push_weights(current)
         self.seed += len(prompts)
         self.counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
-        return [(DELIM_OPEN + g[0].text, g[0].finish_reason == "stop") for g in out]
+        return [(self.prefill + g[0].text, g[0].finish_reason == "stop") for g in out]
 
 
 class ReflectorError(RuntimeError):
@@ -605,3 +613,36 @@ class OpenAIReflector:
         self.counts["teacher_failures"] += failures
         self.counts["teacher_tokens"] += tokens
         return [None if d is None else d[:2] for d in done]
+
+
+def remote_reflector(cfg):
+    return cfg.reflector.startswith(("http://", "https://"))
+
+
+def make_reflector(cfg, engine, model_path, weights, counts):
+    """The reflector --reflector names, for one GEPA round of train.py (docs/METHOD.md "GEPA"):
+    an http(s) server (Teacher-Ref over the OpenAI API), `init` (the frozen starting weights,
+    swapped into the training engine for the reflection calls, then `weights`, the policy's full
+    state dict, put back: Self-Ref), `policy` (the training engine as it is), or another local
+    model (its own engine). `cfg`: train.Config. Its seeds continue from the run's count of
+    reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt."""
+    from gepa import reflector_framing  # gepa imports nothing of ours but verify; lazy all the same
+
+    seed = cfg.seed * 7 + counts["reflection_calls"]
+    settings = dict(temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens, seed=seed, counts=counts)
+    if remote_reflector(cfg):
+        try:
+            return OpenAIReflector(cfg.reflector, cfg.reflector_model, cfg.reflector_api_key_env,
+                                   cfg.reflector_timeout, cfg.reflector_retries, **settings)
+        except ReflectorError as e:  # a server that cannot be used is a one-line exit
+            raise SystemExit(str(e)) from None
+    settings.update(reflector_framing(cfg))
+    if cfg.reflector == "init":
+        from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
+        initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+        return EngineReflector(engine, swap=initial, restore=weights, **settings)
+    if cfg.reflector == "policy":
+        return EngineReflector(engine, **settings)
+    from model import resolve_model
+
+    return EngineReflector(make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector)), **settings)
