@@ -30,6 +30,7 @@ from data import DataError, load_jsonl
 from model import check_model
 from prompts import FORMATS, problem_messages
 from rollout import encode_prompt
+from verify import REWARDS
 
 
 BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
@@ -63,29 +64,104 @@ def unknown_setting(key, names):
     return f"unknown setting --{key}{hint}"
 
 
+def parse_value(key, kind, value):
+    """A flag's text (None: a bare --flag) as a setting of type `kind`."""
+    if value is None and kind is not bool:
+        raise SystemExit(f"--{key} needs a value (--{key}=VALUE)")
+    try:
+        if kind is bool:
+            if value is not None and value.lower() not in BOOL_WORDS:
+                raise ValueError(value)
+            return True if value is None else BOOL_WORDS[value.lower()]
+        return kind(value)
+    except ValueError:
+        raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
+
+
 def parse_overrides(cfg, argv, given=None):
     """Apply command-line settings (--key=value, --key value, a bare --flag for booleans) to a
     Config, checking names and types; the names set are added to `given` (a set) when given."""
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    fields = {f.name for f in dataclasses.fields(cfg)}
     for key, value in split_flags(argv):
         if key not in fields:
-            raise SystemExit(unknown_setting(key, list(fields)))
-        kind = type(getattr(cfg, key))
-        if value is None and kind is not bool:
-            raise SystemExit(f"--{key} needs a value (--{key}=VALUE)")
-        try:
-            if kind is bool:
-                if value is not None and value.lower() not in BOOL_WORDS:
-                    raise ValueError(value)
-                parsed = True if value is None else BOOL_WORDS[value.lower()]
-            else:
-                parsed = kind(value)
-        except ValueError:
-            raise SystemExit(f"--{key} expects a {kind.__name__}, got {value!r}") from None
-        setattr(cfg, key, parsed)
+            raise SystemExit(unknown_setting(key, sorted(fields)))
+        setattr(cfg, key, parse_value(key, type(getattr(cfg, key)), value))
         if given is not None:
             given.add(key)
     return cfg
+
+
+def read_config_file(path):
+    """A settings file -> {name: value}: a JSON object (.json) or a YAML mapping (.yaml/.yml;
+    JSON is YAML too). Comments in YAML are the place for each value's source."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SystemExit(f"--config: cannot read {path}: {e.strerror}") from None
+    if path.endswith(".json"):
+        try:
+            settings = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--config: {path} is not valid JSON: {e}") from None
+    else:
+        import yaml  # lazy: only a YAML config needs PyYAML
+
+        try:
+            settings = yaml.safe_load(text)
+        except yaml.YAMLError as e:  # one line naming the file and the place
+            raise SystemExit(f"--config: {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(settings, dict):
+        raise SystemExit(f"--config: {path} must hold a mapping of settings (name: value), got {type(settings).__name__}")
+    return settings
+
+
+def apply_config_file(cfg, path, given=None):
+    """Set a config file's settings on a Config: names checked like flags; a value of the
+    field's type is taken as it is (an int for a float field too), text is read as a flag's
+    text would be (YAML reads 1e-6 as text), a mapping or list for a text field becomes its
+    JSON (chat_template_kwargs: {enable_thinking: false})."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    for key, value in read_config_file(path).items():
+        if key not in fields:
+            raise SystemExit(f"--config: {path}: {unknown_setting(str(key), sorted(fields))}")
+        kind = type(getattr(cfg, key))
+        if isinstance(value, str) and kind is not str:
+            value = parse_value(key, kind, value)
+        elif isinstance(value, (dict, list)) and kind is str:
+            value = json.dumps(value)
+        elif kind is float and type(value) is int:
+            value = float(value)
+        elif type(value) is not kind:
+            raise SystemExit(f"--config: {path}: {key} expects a {kind.__name__}, got {value!r}")
+        setattr(cfg, key, value)
+        if given is not None:
+            given.add(key)
+    return cfg
+
+
+def resolve_settings(cfg, argv):
+    """The command line -> (cfg, given, dry_run). --config=FILE is applied first, wherever it
+    stands, then every other flag over it; `given` names every setting the file or a flag set
+    (on resume they win over the checkpoint's). --dry_run: print the result and stop (train.main)."""
+    given, rest, config_path, dry_run = set(), [], None, False
+    for key, value in split_flags(argv):
+        if key == "config":
+            config_path = parse_value(key, str, value)
+        elif key == "dry_run":
+            dry_run = parse_value(key, bool, value)
+        else:
+            rest.append(f"--{key}" if value is None else f"--{key}={value}")
+    if config_path:
+        apply_config_file(cfg, config_path, given)
+    return parse_overrides(cfg, rest, given), given, dry_run
+
+
+def dry_run_report(cfg):
+    """--dry_run: the settings checked (not the model or the data), then printed as JSON on
+    stdout, which --config reads back: `python train.py ... --dry_run > run.json`."""
+    check_config(cfg, models=False)
+    print(json.dumps(dataclasses.asdict(cfg), indent=1))
 
 
 def config_help(config_class):
@@ -101,8 +177,10 @@ def config_help(config_class):
             value = getattr(defaults, name)
             entries.append((f"--{name}={value}", type(value).__name__, rest.split("  # ", 1)[1] if "  # " in rest else ""))
     width = max(len(e[0]) for e in entries if e[1])
-    lines = ["usage: python train.py [--key=value | --key value | --flag ...]   (every GPU of a node: torchrun "
-             "--nproc_per_node=N train.py ...)",
+    lines = ["usage: python train.py [--config=FILE] [--key=value | --key value | --flag ...] [--dry_run]   "
+             "(every GPU of a node: torchrun --nproc_per_node=N train.py ...)",
+             "--config=FILE: a JSON or YAML file of settings (configs/); flags override it. --dry_run: print the "
+             "resolved settings as JSON and exit without loading anything.",
              "The settings of train.Config with their defaults; the method and its formulas: docs/METHOD.md."]
     for flag, kind, comment in entries:
         lines += ["", flag] if kind is None else [f"  {flag:<{width}}  {kind:<5}  {comment}".rstrip()]
@@ -115,6 +193,8 @@ CHOICES = {
     "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo"),
     "adv_norm": ("group", "none"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
     "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
+    "reward": tuple(REWARDS), "reflect_prompt": gepa.REFLECT_PROMPTS, "gepa_selection": gepa.SELECTIONS,
+    "gepa_accounting": gepa.ACCOUNTINGS,
 }
 AT_LEAST = {  # setting -> smallest allowed value
     "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
@@ -133,8 +213,9 @@ BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2")  # < 1
 AT_MOST_ONE = ("top_p", "gpu_memory_utilization")  # <= 1
 
 
-def check_config(cfg):
-    """Every setting's value, before any model loads: one line naming the flag, no traceback."""
+def check_config(cfg, models=True):
+    """Every setting's value, before any model loads: one line naming the flag, no traceback;
+    then (models) that --model and --reflector can be loaded."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise SystemExit(f"--{name} is one of {' | '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
@@ -150,6 +231,8 @@ def check_config(cfg):
         raise SystemExit(f"--dual_clip is 0 (off) or > 1, got {cfg.dual_clip}")
     if cfg.crm_low >= cfg.crm_high:
         raise SystemExit(f"--crm_low ({cfg.crm_low}) must be below --crm_high ({cfg.crm_high})")
+    if cfg.fix_importance_ratio and not cfg.context_distill:
+        raise SystemExit("--fix_importance_ratio acts on distilled rows; it needs --context_distill=True")
     if cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean":
         raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
     if not cfg.reflector:
@@ -167,6 +250,8 @@ def check_config(cfg):
             gepa.dev_cap(cfg, len(seeds))
         except ValueError as e:
             raise SystemExit(f"--gepa_budget: {e}") from None
+    if not models:
+        return
     check_model(cfg.model)  # after the settings: one HTTP request for an uncached hub id
     if cfg.reflector not in ("init", "policy") and not cfg.reflector.startswith(("http://", "https://")):
         check_model(cfg.reflector, "--reflector")
@@ -199,23 +284,21 @@ def pick_device(name):
 
 def context_length(cfg, tokenizer, problems, chat_kwargs):
     """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
-    its answer. Training and GEPA prompts: the longest data prompt + a template of
-    max_template_chars (counted as one token a character, plus the blank line) + max_tokens.
-    P²O reflection prompts: the meta-prompt with the longest problems and answers of the data, a
-    parent of max_template_chars, answers and extracted answers cut to reflect_answer_chars
-    (one token a character) + reflect_max_tokens."""
+    its answer. Training and GEPA prompts: the longest data prompt + the longest template
+    (gepa.max_template_length, counted as one token a character, plus the blank line) +
+    max_tokens. P²O reflection prompts (either --reflect_prompt): the meta-prompt with the
+    longest problems and answers of the data (gepa.longest_reflection_prompt), plus the parts cut
+    to a length in characters, one token each (gepa.reflection_cut_chars: the parent template,
+    the answers and extracted answers), + reflect_max_tokens."""
     if cfg.max_model_len:
         return cfg.max_model_len
     longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
                          for p in problems)
-    need = longest_prompt + cfg.max_template_chars + 2 + cfg.max_tokens
+    need = longest_prompt + gepa.max_template_length(cfg) + 2 + cfg.max_tokens
     if cfg.algo == "p2o":
-        longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
-        records = [gepa.reflection_record(p, "", cfg.reflect_answer_chars) for p in longest]
-        messages = [{"role": "user", "content": gepa.meta_prompt("", records)},
-                    {"role": "assistant", "content": gepa.DELIM_OPEN}]
-        cut_text = cfg.max_template_chars + 2 * cfg.reflect_answer_chars * len(records)  # parent, answers, extracted
-        need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + cut_text + cfg.reflect_max_tokens)
+        messages = gepa.longest_reflection_prompt(cfg, problems)  # with its framing (ours: the prefill)
+        need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + gepa.reflection_cut_chars(cfg)
+                   + cfg.reflect_max_tokens)
     return need
 
 

@@ -12,10 +12,11 @@
     python train.py --adv_norm=none --loss_agg=seq-mean-token-sum-norm   # Dr. GRPO
     python train.py --kl_beta=0.01                   # k3 KL to the frozen initial policy
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
+    python train.py --config=configs/p2o_official.yaml --dry_run   # the reference code's settings, printed
     torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; docs/GPU.md)
 
-Every setting lives in `Config` below; `--key=value` (or `--key value`, a bare `--flag`) overrides
-it. Settings, paths, the model and the data are checked before anything loads (config.py). The
+Every setting lives in `Config` below; `--config=FILE` (JSON or YAML, configs/) and then
+`--key=value` (or `--key value`, a bare `--flag`) override it. Settings, paths, the model and the data are checked before anything loads (config.py). The
 method: docs/METHOD.md. One step (`train_step`), readable in this file, grpo.py and distill.py:
 
     collect_groups   B prompts -> K rollouts each (vLLM; a prompt that was hard last epoch gets
@@ -36,8 +37,9 @@ Outputs go to out_dir/run_name (the folder's files: runs.py). One process, or `t
 --nproc_per_node=N train.py ...` for every GPU of a node (train(), dist.py, docs/GPU.md).
 Simplifications, on purpose: the reference model exists only when kl_beta > 0 (and is not
 sharded); groups whose advantages are all zero are not forwarded when kl_beta == 0 (their
-gradient is exactly zero) but their tokens still count in the token-mean denominator, as in the
-reference implementation; policy entropy is measured on the rows that were forwarded.
+gradient is exactly zero) but their tokens still count in the token-mean denominator; policy
+entropy is measured on the rows that were forwarded. The reference code's behaviour: the switches
+of docs/METHOD.md §9, all set by `--config=configs/p2o_official.yaml`.
 """
 
 import contextlib
@@ -62,16 +64,17 @@ import dist
 import distill
 import gepa
 import grpo
+from data import PromptStream
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model
-from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, load_data,
-                    parse_overrides, pick_device, shared_prompt_refusal)
+from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, dry_run_report,
+                    load_data, parse_overrides, pick_device, resolve_settings, shared_prompt_refusal)
 from prompts import problem_messages
-from rollout import EngineReflector, HFRollout, OpenAIReflector, ReflectorError, encode_prompt, make_rollout
+from rollout import HFRollout, encode_prompt, make_reflector, make_rollout, remote_reflector
 from runs import (RunLog, StopSignal, generated_tokens, link_checkpoint, load_rank_state, load_trainer_state,
                   print_summary, prune_checkpoints, resolve_resume, route_library_logs, save_checkpoint, save_export,
                   start_branch, time_summary)
-from verify import reward as verify_reward
+from verify import REWARDS
 
 
 @dataclass
@@ -132,7 +135,7 @@ class Config:
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
     seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
     context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
-    crm: bool = True  # Context Ratio Mask on templated rows (False: ablation)
+    crm: bool = True  # Context Ratio Mask on templated rows (False: ablation; the reference's replace_prompts_when_log_prob)
     crm_low: float = 0.01  # tokens with c_t < crm_low are masked
     crm_high: float = 10.0  # tokens with c_t > crm_high are masked
     crm_soft: bool = False  # scale out-of-band tokens by high/c_t (above) or c_t/low (below) instead of zeroing
@@ -143,13 +146,20 @@ class Config:
     bare_rollout: bool = False  # one of a templated prompt's K rollouts without a template (official left_1_no_template_rollout)
     drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
     crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
+    fix_importance_ratio: bool = False  # templated rows: pi_old under x~, so rho = pi(y|x) / pi_old(y|x~), PPO-clipped (official fix_importance_ratio)
+    reward: str = "ours"  # ours: the final \boxed{} equals the answer | official: exactly one \boxed, numbers within 1e-4 (verify.py)
+    reflect_prompt: str = "ours"  # ours: a short general instruction | official: GEPA's proposal prompt, asks for domain facts (gepa.py)
+    reflect_guards: bool = True  # reject leaking, copying, long, repetitive or duplicate templates (official: none)
+    gepa_selection: str = "ours"  # parents: ours (fronts of solved items, pruned, with replacement) | official (zero ties, distinct)
+    gepa_accounting: str = "ours"  # ours: every metric call counts, a hard cap | official: iterations 0-1 and child minibatches free
+    warmup_from_zero: bool = False  # warm-up's first step at lr 0, then lr s/warmup (verl) instead of lr (s+1)/warmup
     # ---- optimisation
     lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
     warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
-    adam_beta1: float = 0.9  # AdamW betas (torch defaults; verl uses the same)
+    adam_beta1: float = 0.9  # AdamW betas (torch defaults, as verl's)
     adam_beta2: float = 0.999  # AdamW second-moment decay
     adam_eps: float = 1e-8  # AdamW denominator epsilon
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (verl: 0.01)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
     shared_prompt: bool = True  # forward a prompt once for all rows that share it (grpo.pack_rows; exact). Off for long answers
@@ -183,30 +193,6 @@ def fields_of(obj):
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
-class PromptStream:
-    """Prompts in a fresh seeded order every epoch, as one endless stream addressed by position
-    (prompts handed out so far): `take(position, n)` is a pure function of it, so the loop
-    state holds the only copy of the position and resuming is exact. A take never crosses an
-    epoch's end: with 10 prompts and n = 4 the steps get 4, 4, 2, then 4 of the next epoch's order."""
-
-    def __init__(self, problems, seed):
-        self.problems, self.seed = problems, seed
-        self._order = {}
-
-    def epoch_of(self, position):
-        return position // len(self.problems)
-
-    def steps_per_epoch(self, n):
-        return -(-len(self.problems) // n)  # the last one short when n does not divide the set
-
-    def take(self, position, n):
-        epoch, start = divmod(position, len(self.problems))
-        if epoch not in self._order:
-            self._order = {epoch: random.Random(self.seed * 7919 + epoch).sample(
-                range(len(self.problems)), len(self.problems))}
-        return [self.problems[i] for i in self._order[epoch][start:start + n]]
-
-
 @dataclass
 class LoopState:
     """Everything the loop carries from one step to the next. Saved whole in every checkpoint
@@ -238,10 +224,11 @@ class Row:
     prompt_ids: list  # x (or x~ in the no-distillation ablation)
     response_ids: list  # the sampled tokens, with the EOS that ended a finished answer
     advantage: float
-    tilde_prompt_ids: list | None = None  # x~ of a distilled templated row: its CRM weights are needed
+    tilde_prompt_ids: list | None = None  # x~ of a distilled templated row (for its CRM weights / fix_importance_ratio)
     sampler_logp: list | None = None  # the engine's log-probs of the response, when sampled under prompt_ids
     group: int = 0  # index of its group in the step (mini-batches never split a group)
     crm_weight: torch.Tensor | None = None  # [len(response_ids)], set by the CRM pass (distill.crm_pass)
+    tilde_old_logp: torch.Tensor | None = None  # [len(response_ids)] pi_old(y|x~): the old policy (fix_importance_ratio)
 
 
 @dataclass
@@ -255,6 +242,7 @@ class MicroBatch:
     sampler_mask: torch.Tensor  # [B, L-1] bool: positions where sampler_logp is known
     crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (1 on plain rows); None: no templated row
     old_logp: torch.Tensor | None = None  # [B, L-1] (a later optimizer step of the call needs them)
+    tilde_old: tuple | None = None  # fix_importance_ratio: ([B, L-1] pi_old(y|x~), [B, L-1] bool where it replaces old_logp)
     ref_logp: torch.Tensor | None = None  # [B, L-1] frozen reference (kl_beta > 0)
     dummy: bool = False  # torchrun: a stand-in that keeps this rank's forwards in step (loss x 0)
     packed: grpo.Packed | None = None  # shared_prompt: the same rows with each prompt once, for the forward
@@ -388,7 +376,8 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
                 continue  # it still counted in the group's advantages above
             if t and distilled:
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
-                rows.append(Row(prompt_ids, response_ids, a, s.prompt_ids if cfg.crm else None, group=gi))
+                tilde = s.prompt_ids if cfg.crm or cfg.fix_importance_ratio else None
+                rows.append(Row(prompt_ids, response_ids, a, tilde, group=gi))
             else:  # plain rows, and (ablation) templated rows trained under x~
                 rows.append(Row(s.prompt_ids, s.response_ids, a, sampler_logp=s.logprobs, group=gi))
     return rows
@@ -411,6 +400,8 @@ def pre_update_pass(rows, policy, reference, cfg, pad_id):
                            *grpo.scatter_rows([r.sampler_logp for r in chunk], mask), dummy=i >= len(chunks))
             if any(r.crm_weight is not None for r in chunk):
                 b.crm_weight = grpo.scatter_rows([r.crm_weight for r in chunk], mask, fill=1.0)[0]
+            if any(r.tilde_old_logp is not None for r in chunk):
+                b.tilde_old = grpo.scatter_rows([r.tilde_old_logp for r in chunk], mask)
             if cfg.shared_prompt:
                 b.packed = grpo.pack_rows(prompts, responses, pad_id).to(device)
             if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:
@@ -426,8 +417,11 @@ def micro_batch_loss(policy, b, cfg, denominators, with_entropy):
     with autocast(cfg, b.input_ids.device):
         logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
                                       b.packed)
+    old_logp = b.old_logp
+    if b.tilde_old is not None:  # fix_importance_ratio: a templated row's old policy is pi_old(y|x~)
+        old_logp = torch.where(b.tilde_old[1], b.tilde_old[0], logp.detach() if old_logp is None else old_logp)
     loss, sums = grpo.policy_loss(
-        logp, b.old_logp, b.advantages, b.loss_mask, denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        logp, old_logp, b.advantages, b.loss_mask, denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg, max_len=cfg.max_tokens, crm_weight=b.crm_weight,
         sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask, tis_cap=cfg.tis_cap, ref_logp=b.ref_logp,
         kl_beta=cfg.kl_beta)
@@ -460,10 +454,12 @@ def prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups):
     for lo in range(0, n_groups, size):
         part = [r for r in rows if lo <= r.group < lo + size]
         with torch.no_grad(), autocast(cfg, next(policy.parameters()).device):
-            weights, crm = distill.crm_pass(part, old_logprobs, cfg.micro_batch_size, cfg.crm_low, cfg.crm_high,
-                                            cfg.crm_soft)
-        for r, w in zip(part, weights):
-            r.crm_weight = w
+            weights, crm, tilde = distill.crm_pass(part, old_logprobs, cfg.micro_batch_size, cfg.crm_low,
+                                                   cfg.crm_high, cfg.crm_soft)
+        if not cfg.crm:  # the pass ran for fix_importance_ratio's old log-probs alone
+            weights, crm = [None] * len(part), distill.CrmSums()
+        for r, w, old in zip(part, weights, tilde):
+            r.crm_weight, r.tilde_old_logp = w, old if cfg.fix_importance_ratio else None
         trained = [r for r in part if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
         denominators = grpo.step_denominators(
             dist.all_sum(sum(len(r.response_ids) for r in part)), dist.all_sum(len(part)),
@@ -583,33 +579,6 @@ def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
     return gepa.run_gepa(hard_problems, answer, reflect, cfg, rng, reward_fn=reward_fn, seeds=seeds)
 
 
-def remote_reflector(cfg):
-    return cfg.reflector.startswith(("http://", "https://"))
-
-
-def make_reflector(cfg, engine, model_path, weights, counts):
-    """The reflector --reflector names, for one GEPA round (docs/METHOD.md "GEPA"): an http(s)
-    server (Teacher-Ref over the OpenAI API), `init` (the frozen starting weights, swapped into
-    the training engine for the reflection calls, then `weights`, the policy's full state dict,
-    put back: Self-Ref), `policy` (the training engine as it is), or another local model (its
-    own engine). Its seeds continue from the run's count of reflection calls (exact resume)."""
-    seed = cfg.seed * 7 + counts["reflection_calls"]
-    settings = dict(temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens, seed=seed, counts=counts)
-    if remote_reflector(cfg):
-        try:
-            return OpenAIReflector(cfg.reflector, cfg.reflector_model, cfg.reflector_api_key_env,
-                                   cfg.reflector_timeout, cfg.reflector_retries, **settings)
-        except ReflectorError as e:  # a server that cannot be used is a one-line exit
-            raise SystemExit(str(e)) from None
-    if cfg.reflector == "init":
-        from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
-        initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
-        return EngineReflector(engine, swap=initial, restore=weights, **settings)
-    if cfg.reflector == "policy":
-        return EngineReflector(engine, **settings)
-    return EngineReflector(make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector)), **settings)
-
-
 def end_epoch(run, search=True):
     """The epoch in state.epoch is over (search=False: the run is, and no GEPA round follows).
     P²O: with at least gepa_min_hard hard prompts, GEPA evolves templates for them (rank 0; the
@@ -685,6 +654,14 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
         engine.push_weights(dist.full_parameters(policy, getattr(engine, "dtype", None)))
     return policy, reference, tokenizer, engine
+
+
+def warmup_factor(warmup_steps, from_zero, step):
+    """lr multiplier of optimizer step `step` (0-based): linear warm-up, then 1. Ours reaches
+    lr/warmup at the first step, (s + 1)/warmup; verl's starts at 0, s/warmup (warmup_from_zero)."""
+    if step >= warmup_steps:
+        return 1.0
+    return (step + (0 if from_zero else 1)) / warmup_steps
 
 
 def rng_state():
@@ -795,7 +772,7 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
         torch.set_num_threads(cpu_threads(cfg.cpu_threads))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731 - then constant
+    warmup = functools.partial(warmup_factor, cfg.warmup_steps, cfg.warmup_from_zero)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     state = LoopState()  # all of it is in every checkpoint, so a resumed run continues exactly
@@ -851,7 +828,8 @@ def dev_eval(run):
     t = time.perf_counter()
     mine = answer_records(run.engine, dist.split(run.dev_set, run.rank, run.world), k=cfg.eval_k,
                           temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
-                          seed=cfg.seed * 100_003 + state.step, prompt_format=cfg.prompt_format)  # + rank in the engine
+                          seed=cfg.seed * 100_003 + state.step, prompt_format=cfg.prompt_format,
+                          reward=cfg.reward)  # the seed + rank in the engine
     overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
     run.seconds["dev evaluations"] += time.perf_counter() - t
     if run.is_main:
@@ -919,7 +897,7 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     cfg, resume_path, saved = resume_point(cfg, given)
     check_config(cfg)  # settings, model and reflector: one line each, before anything loads
     data = load_data(cfg)
-    reward_fn = reward_fn or (lambda text, problem: verify_reward(text, problem.answer))
+    reward_fn = reward_fn or (lambda text, problem: REWARDS[cfg.reward](text, problem.answer))
     run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
     state, is_main = run.state, run.is_main
     stop = StopSignal()
@@ -991,8 +969,11 @@ def main(argv):
     if {"-h", "--help"} & set(argv):
         print(config_help(Config))
         return
-    given = set()  # on resume, the flags win over the saved settings
-    train(parse_overrides(Config(), argv, given), given=given)
+    cfg, given, dry_run = resolve_settings(Config(), argv)  # on resume, the file's and the flags' settings win
+    if dry_run:
+        dry_run_report(resume_point(cfg, given)[0])
+        return
+    train(cfg, given=given)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Names accepted wherever a data file is asked for:
 
 import json
 import os
+import random
 from dataclasses import dataclass
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -113,3 +114,27 @@ def write_jsonl(path, problems):
             row = {k: getattr(p, k) for k in REQUIRED + OPTIONAL if getattr(p, k) is not None}
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
+
+
+class PromptStream:
+    """Prompts in a fresh seeded order every epoch, as one endless stream addressed by position
+    (prompts handed out so far): `take(position, n)` is a pure function of it, so the loop
+    state holds the only copy of the position and resuming is exact. A take never crosses an
+    epoch's end: with 10 prompts and n = 4 the steps get 4, 4, 2, then 4 of the next epoch's order."""
+
+    def __init__(self, problems, seed):
+        self.problems, self.seed = problems, seed
+        self._order = {}
+
+    def epoch_of(self, position):
+        return position // len(self.problems)
+
+    def steps_per_epoch(self, n):
+        return -(-len(self.problems) // n)  # the last one short when n does not divide the set
+
+    def take(self, position, n):
+        epoch, start = divmod(position, len(self.problems))
+        if epoch not in self._order:
+            self._order = {epoch: random.Random(self.seed * 7919 + epoch).sample(
+                range(len(self.problems)), len(self.problems))}
+        return [self.problems[i] for i in self._order[epoch][start:start + n]]

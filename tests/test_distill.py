@@ -105,13 +105,14 @@ def test_crm_pass_covers_every_templated_row_in_chunks():
         return [torch.tensor([-1.0 - k * (p[0] == 99) for k in range(len(r))]) for p, r in zip(prompts, responses)]
 
     rows = [R([1], [5] * 5, [99, 1]), R([1], [5] * 2), R([2], [5] * 4, [99, 2]), R([3], [5] * 1, [99, 3])]
-    weights, sums = crm_pass(rows, old_logprobs, chunk_size=2)
+    weights, sums, tilde = crm_pass(rows, old_logprobs, chunk_size=2)
     assert calls == [[1, 2, 99, 99], [3, 99]]  # the plain row is never forwarded
-    assert weights[1] is None
+    assert weights[1] is None and tilde[1] is None
+    assert tilde[0].tolist() == [-1, -2, -3, -4, -5] and tilde[3].tolist() == [-1]  # the x~ forwards, as they came
     assert weights[0].tolist() == [1, 1, 1, 0, 0] and weights[2].tolist() == [1, 1, 1, 0] and weights[3].tolist() == [1]
     assert (sums.templated_tokens, sums.out_of_band_tokens, sums.weight_sum) == (10, 3, 7.0)
     assert sums.log_ratio_sum == pytest.approx(sum(range(5)) + sum(range(4)) + 0)
-    assert crm_pass([R([1], [5])], old_logprobs, 2) == ([None], CrmSums())  # no templated row: no forward
+    assert crm_pass([R([1], [5])], old_logprobs, 2) == ([None], CrmSums(), [None])  # no templated row: no forward
     assert len(calls) == 2
 
 
