@@ -111,6 +111,8 @@ def read_config_file(path):
             settings = yaml.safe_load(text)
         except yaml.YAMLError as e:  # one line naming the file and the place
             raise SystemExit(f"--config: {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if settings is None:  # an empty file (or comments only): no settings
+        return {}
     if not isinstance(settings, dict):
         raise SystemExit(f"--config: {path} must hold a mapping of settings (name: value), got {type(settings).__name__}")
     return settings
@@ -127,7 +129,10 @@ def apply_config_file(cfg, path, given=None):
             raise SystemExit(f"--config: {path}: {unknown_setting(str(key), sorted(fields))}")
         kind = type(getattr(cfg, key))
         if isinstance(value, str) and kind is not str:
-            value = parse_value(key, kind, value)
+            try:
+                value = parse_value(key, kind, value)
+            except SystemExit as e:
+                raise SystemExit(f"--config: {path}: {e}") from None
         elif isinstance(value, (dict, list)) and kind is str:
             value = json.dumps(value)
         elif kind is float and type(value) is int:
@@ -147,7 +152,9 @@ def resolve_settings(cfg, argv):
     given, rest, config_path, dry_run = set(), [], None, False
     for key, value in split_flags(argv):
         if key == "config":
-            config_path = parse_value(key, str, value)
+            if config_path is not None or not value:
+                raise SystemExit("--config takes one file (--config=FILE); put every setting in it, or override with flags")
+            config_path = value
         elif key == "dry_run":
             dry_run = parse_value(key, bool, value)
         else:

@@ -657,8 +657,9 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
 
 
 def warmup_factor(warmup_steps, from_zero, step):
-    """lr multiplier of optimizer step `step` (0-based): linear warm-up, then 1. Ours reaches
-    lr/warmup at the first step, (s + 1)/warmup; verl's starts at 0, s/warmup (warmup_from_zero)."""
+    """lr multiplier of training step `step` (0-based; every optimizer step of a training step
+    uses it): linear warm-up, then 1. Ours reaches lr/warmup at the first step, (s + 1)/warmup;
+    verl's starts at 0, s/warmup (warmup_from_zero)."""
     if step >= warmup_steps:
         return 1.0
     return (step + (0 if from_zero else 1)) / warmup_steps
@@ -700,7 +701,8 @@ def resume_point(cfg, given=None):
         given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
     old = {k: v for k, v in saved.get("config", {}).items() if k in known}
     if set(saved.get("config", {})) - known:
-        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}")
+        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}",
+              file=sys.stderr)  # stdout may be --dry_run's JSON
     merged = Config(**{**old, **{k: getattr(cfg, k) for k in given | {"resume"}}})
     return merged, path, saved
 
@@ -901,7 +903,7 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
     state, is_main = run.state, run.is_main
     stop = StopSignal()
-    if is_main:
+    if is_main and cfg.ppo_epochs == cfg.mini_batches == 1 and not cfg.fix_importance_ratio:
         print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
               "gradient is the policy gradient (see grpo.py)")
     if state.step == 0:

@@ -14,6 +14,8 @@ Names accepted wherever a data file is asked for:
     fictional-train, fictional-dev, ...         -> data/fictional/{split}.jsonl (shipped; made-up units)
     aime24, math500, ...                       -> data/public/{name}.jsonl (made by data/prep.py)
     anything else                              -> a path to a .jsonl file
+
+`PromptStream` hands train.py a set's problems in a fresh seeded order every epoch.
 """
 
 import json

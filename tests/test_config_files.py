@@ -25,7 +25,8 @@ OFFICIAL = {
     "prompts_per_step": (128, f"{SCRIPT}:25 data.train_batch_size=128"),
     "max_tokens": (12288, f"{SCRIPT}:28 data.max_response_length=12288"),
     "lr": (1e-6, f"{SCRIPT}:35 actor.optim.lr=1e-6"),
-    "warmup_steps": (19, f"{SCRIPT}:36 lr_warmup_steps_ratio=0.05: int(0.05 x 39 steps x 10 epochs), drop_last"),
+    "warmup_steps": (19, f"{SCRIPT}:36 lr_warmup_steps_ratio=0.05: int(0.05 x (39 batches x 10 epochs + 9)), "
+                         "the trainer's total_training_steps (drop_last)"),
     "warmup_from_zero": (True, "verl/utils/torch_functional.py get_constant_schedule_with_warmup: s / warmup"),
     "kl_beta": (0.0, f"{SCRIPT}:37,51 use_kl_loss=false, kl_loss_coef=0.0"),
     "mini_batches": (2, f"{SCRIPT}:38 ppo_mini_batch_size=64 of train_batch_size 128"),
@@ -63,6 +64,18 @@ OFFICIAL = {
     "eval_k": (0, "verl validation is greedy (val_kwargs.do_sample=False)"),
     "chat_template_kwargs": ('{"enable_thinking": false}', "verl data config enable_thinking: False (legacy_data.yaml:4), "
                              "set on every chat template by verl/utils/tokenizer.py:58-60"),
+    "adv_norm": ("group", f"{SCRIPT}:22 adv_estimator=grpo; norm_adv_by_std_in_grpo defaults to True"),
+    "ppo_epochs": (1, "verl actor.yaml ppo_epochs=1"),
+    "top_p": (1.0, "verl rollout.yaml top_p=1"),
+    "tis_cap": (0.0, "no importance correction against the rollout engine in the reference trainer"),
+    "adam_beta1": (0.9, "verl fsdp_workers.py AdamW betas default (0.9, 0.999)"),
+    "adam_beta2": (0.999, "verl fsdp_workers.py AdamW betas default (0.9, 0.999)"),
+    "adam_eps": (1e-8, "torch.optim.AdamW's default eps (verl passes none)"),
+    "crm_denominator": ("all", "core_algos agg_loss token-mean: masked tokens stay in the denominator"),
+    "context_distill": (True, "trainer _rebuild_batch_input: templated rollouts trained under the plain prompt"),
+    "same_template_per_group": (False, "trainer _init_gepa_cfg same_template_in_sample=False"),
+    "bare_rollout": (False, "trainer _init_gepa_cfg left_1_no_template_rollout=False"),
+    "drop_failed_templated": (False, "trainer _init_gepa_cfg drop_failed_template_rollout=False"),
     "prompt_format": ("official", "the released data's prompt: problem + \\boxed instruction"),
     "dev_holdout": (500, f"{SCRIPT}:24 a 500-problem validation file (here held out of the train data)"),
 }
@@ -102,7 +115,7 @@ def test_a_config_files_values_are_read_by_type(tmp_path):
 @pytest.mark.parametrize("text, name, message", [
     ("group_sise: 4\n", "c.yaml", "unknown setting --group_sise; did you mean --group_size?"),
     ("group_size: 4.5\n", "c.yaml", "group_size expects a int, got 4.5"),
-    ("crm: maybe\n", "c.yaml", "--crm expects a bool, got 'maybe'"),
+    ("crm: maybe\n", "c.yaml", ": --crm expects a bool, got 'maybe'"),
     ("lr: [1, 2]\n", "c.yaml", "lr expects a float"),
     ("- lr\n", "c.yaml", "must hold a mapping of settings"),
     ("lr: [1\n", "c.yaml", "is not valid YAML"),
@@ -113,9 +126,18 @@ def test_a_bad_config_file_is_one_line_naming_it(tmp_path, text, name, message):
     path.write_text(text)
     with pytest.raises(SystemExit) as e:
         resolve_settings(Config(), [f"--config={path}"])
-    assert message in str(e.value) and "\n" not in str(e.value)
+    assert message in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(SystemExit, match="cannot read"):
         resolve_settings(Config(), [f"--config={tmp_path / 'missing.yaml'}"])
+
+
+def test_config_is_one_file_and_an_empty_file_sets_nothing(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    assert dataclasses.asdict(resolve_settings(Config(), [f"--config={empty}"])[0]) == dataclasses.asdict(Config())
+    for argv in ([f"--config={empty}", f"--config={PRESET}"], ["--config="], ["--config"]):
+        with pytest.raises(SystemExit, match="--config takes one file"):
+            resolve_settings(Config(), argv)
 
 
 def test_dry_run_prints_the_resolved_settings_and_loads_nothing(tmp_path, capsys, monkeypatch):

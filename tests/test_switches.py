@@ -57,6 +57,30 @@ def test_the_pre_update_pass_gives_templated_rows_their_x_tilde_log_probs(tiny_m
     assert torch.allclose(values[known], expected, atol=1e-5)
 
 
+def test_fix_importance_ratio_with_two_mini_batches_by_hand(tiny_model):
+    """mini_batches=2 stores old log-probs under x for every row; a distilled row's are replaced by
+    its log-probs under x~. With lr 0 the weights stay put, so each mini-batch's loss is the
+    PPO-clip formula on the pre-update log-probs, token-mean over that mini-batch."""
+    Row = train.Row
+    tilde = [30, 31, 5, 6, 7]
+    rows = [Row([5, 6, 7], [9, 10, 2], 1.0, tilde_prompt_ids=tilde, group=0), Row([5, 6, 7], [11, 2], -1.0, group=0),
+            Row([8, 4], [12, 13, 2], 0.5, group=1), Row([8, 4], [15, 2], -0.5, group=1)]
+    model = load_tiny(tiny_model)
+    with torch.no_grad():
+        under_x, under_tilde = train.row_logprobs(model, [[5, 6, 7], tilde], [[9, 10, 2]] * 2, 2, 1.0)
+    rho = (under_x - under_tilde).exp()
+    templated = torch.maximum(-1.0 * rho, -1.0 * rho.clamp(0.8, 1.2)).sum().item()
+    first = (templated + 1.0 * 2) / 5  # the plain row: rho = 1, -A per token; 3 + 2 tokens
+    second = -(0.5 * 3 - 0.5 * 2) / 5
+    cfg = update_config(mini_batches=2, fix_importance_ratio=True, crm=False, grad_clip=1e9)
+    update = train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, 2, n_groups=2)
+    assert update.loss == pytest.approx((first + second) / 2, abs=1e-5)
+    assert rho.min().item() < 0.8 or rho.max().item() > 1.2  # the clip is exercised: rho is not 1
+    plain = train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows,
+                                update_config(mini_batches=2, crm=False, grad_clip=1e9), 2, n_groups=2)
+    assert plain.loss == pytest.approx(((-1.0 * 3 + 1.0 * 2) / 5 + second) / 2, abs=1e-5)  # off: rho = 1 everywhere
+
+
 def test_fix_importance_ratio_is_off_by_default_and_needs_distillation():
     assert train.Config().fix_importance_ratio is False
     with pytest.raises(SystemExit, match="needs --context_distill=True"):
