@@ -197,8 +197,8 @@ def config_help(config_class):
 # Every enumerated and bounded setting, checked by check_config before anything loads.
 CHOICES = {
     "device": ("auto", "cpu", "cuda"), "backend": ("vllm", "hf"), "reflector_backend": ("hf", "vllm"),
-    "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo"),
-    "adv_norm": ("group", "none"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
+    "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo", "sft"),
+    "adv_norm": ("group", "none", "raw"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
     "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
     "reward": tuple(REWARDS), "reflect_prompt": gepa.REFLECT_PROMPTS, "gepa_selection": gepa.SELECTIONS,
     "gepa_accounting": gepa.ACCOUNTINGS,
@@ -246,6 +246,14 @@ def check_config(cfg, models=True):
         raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)
     pick_device(cfg.device)
+    if cfg.fixed_template and cfg.algo != "grpo":
+        raise SystemExit(f"--fixed_template needs --algo=grpo (p2o's GEPA assigns its own; sft samples nothing), "
+                         f"got --algo={cfg.algo}")
+    if cfg.fixed_template:
+        try:
+            gepa.read_seed_templates(cfg.fixed_template, cfg.max_template_chars)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--fixed_template: {e}") from None
     seeds = []
     if cfg.seed_templates:
         try:

@@ -128,13 +128,28 @@ def answer_records(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens
     one record per problem, its greedy response first, the samples under "sampled". `template`:
     a P²O template applied to every problem (prompts.apply_template; '' = none); `reward`: the
     rule that scores them (train.py's --reward)."""
-    messages = [problem_messages(p, template, fmt=prompt_format) for p in problems]
-    greedy = score_groups(problems, messages, engine.generate(
-        messages, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress), reward)
-    sampled = score_groups(problems, messages, engine.generate(
-        messages, n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-        progress=progress, seed=seed), reward) if k else [None] * len(problems)
-    return [{**g, "sampled": s} for g, s in zip(greedy, sampled)]
+    return answer_sets(engine, [(problems, template, k)], temperature, top_p, max_tokens, progress, seed,
+                       prompt_format, reward)[0]
+
+
+def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
+                prompt_format="default", reward="ours"):
+    """answer_records for several sets [(problems, template, k)] at once -> one list of records per
+    set: the greedy answers of all sets in one engine call, all their samples in another."""
+    messages = [[problem_messages(p, template, fmt=prompt_format) for p in problems] for problems, template, _ in sets]
+    flat = [m for ms in messages for m in ms]
+    greedy = iter(engine.generate(flat, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
+    ks = [k for (problems, _, k) in sets for _ in problems]
+    sampled_flat = [(m, k) for m, k in zip(flat, ks) if k]
+    sampled = iter(engine.generate([m for m, _ in sampled_flat], n=[k for _, k in sampled_flat],
+                                   temperature=temperature, top_p=top_p, max_tokens=max_tokens, progress=progress,
+                                   seed=seed) if sampled_flat else [])
+    out = []
+    for (problems, _, k), ms in zip(sets, messages):
+        g = score_groups(problems, ms, [next(greedy) for _ in problems], reward)
+        s = score_groups(problems, ms, [next(sampled) for _ in problems], reward) if k else [None] * len(problems)
+        out.append([{**a, "sampled": b} for a, b in zip(g, s)])
+    return out
 
 
 def summarize_records(records, k):

@@ -36,12 +36,15 @@ KL_CLAMP = 10.0
 
 
 def group_advantages(rewards, norm="group", eps=1e-6):
-    """[G, K] rewards -> [G, K] advantages. norm: 'group' (GRPO) or 'none' (Dr. GRPO: r - mean)."""
+    """[G, K] rewards -> [G, K] advantages. norm: 'group' (GRPO), 'none' (Dr. GRPO: r - mean) or
+    'raw' (A = r, no baseline: with 0/1 rewards, maximum likelihood on the correct rollouts)."""
+    if norm == "raw":
+        return rewards.clone()
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if norm == "none":
         return centred
     if norm != "group":
-        raise ValueError(f"adv_norm must be 'group' or 'none', got {norm!r}")
+        raise ValueError(f"adv_norm must be 'group', 'none' or 'raw', got {norm!r}")
     if rewards.shape[1] < 2:
         return torch.zeros_like(rewards)  # one rollout: no group statistics, no signal
     return centred / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)

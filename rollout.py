@@ -526,6 +526,7 @@ class EngineReflector:
                 self.engine.push_weights(current)
         self.seed += len(prompts)
         self.counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
+        self.counts["reflection_prefill_tokens"] += sum(len(g[0].prompt_ids) for g in out)
         return [(self.prefill + g[0].text, g[0].finish_reason == "stop") for g in out]
 
 

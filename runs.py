@@ -26,6 +26,7 @@ import difflib
 import json
 import math
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -465,7 +466,64 @@ class StopSignal:
             signal.signal(s, h)
 
 
-GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflection_tokens")  # policy compute
+def step_metrics(state, groups, update, info, lr, cfg):
+    """One line of metrics.jsonl (and the TensorBoard train/* scalars)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
+    flat = [s for g in groups for s in g.samples]
+    lengths = [len(s.response_ids) for s in flat]
+    step_tokens = sum(lengths)  # every rollout (a training row, unless --drop_failed_templated drops it)
+    templated = [any(g.templates) for g in groups]
+    t_rewards = [r for g, t in zip(groups, templated) if t for r in g.rewards]
+    p_rewards = [r for g, t in zip(groups, templated) if not t for r in g.rewards]
+    s = update.sums
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "step": state.step, "epoch": state.epoch,
+        "reward_mean": rewards.mean().item(),
+        "accuracy_any": (rewards.max(dim=1).values > 0).float().mean().item(),
+        "zero_variance_groups": (rewards.std(dim=1) == 0).float().mean().item() if rewards.shape[1] > 1 else 1.0,
+        "groups": len(groups), "refills": info["refills"],
+        "response_len_mean": mean(lengths), "response_len_max": max(lengths),
+        "truncated": mean([s.finish_reason == "length" for s in flat]),
+        "loss": update.loss, "kl": s["kl_sum"] / max(1, step_tokens * cfg.ppo_epochs),
+        "clip_fraction": s["clipped_tokens"] / max(1, step_tokens * cfg.ppo_epochs),
+        "entropy": s["entropy_sum"] / max(1, s["entropy_tokens"]),
+        "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
+        "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
+        "dropped_failed_templated": sum(bool(t) and r <= 0 for g in groups for t, r in zip(g.templates, g.rewards))
+        if cfg.drop_failed_templated else 0,
+        "reward_templated_groups": mean(t_rewards), "reward_plain_groups": mean(p_rewards),
+        "crm_masked_fraction": s["crm_out_of_band_tokens"] / max(1, s["crm_templated_tokens"]),
+        "crm_mean_log_ratio": s["crm_log_ratio_sum"] / max(1, s["crm_templated_tokens"]),
+        "sampler_mismatch_mean": s["mismatch_abs_sum"] / max(1, s["mismatch_tokens"]),  # |log pi_old - log pi_sampler|
+        "sampler_mismatch_max": s["mismatch_abs_max"],
+        "hard_so_far": len(state.hard_now),
+        "generated_tokens": generated_tokens(state.counts),  # cumulative: the x axis of a compute-matched comparison
+        **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},
+        "gen_tokens_per_s": sum(lengths) / max(info["generate"], 1e-9), "skipped_steps": state.skipped_steps,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "prompt_ids": [g.problem.id for g in groups],
+        "counts": dict(state.counts),  # cumulative token and call counts (compare.py's compute columns)
+    }
+
+
+# policy compute; an SFT run's gold tokens stand in for generated ones (its budget counts them)
+GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflection_tokens", "gold_tokens")
+
+
+def forward_tokens(rows, cfg):
+    """Tokens through the policy in one step's update, for a FLOPs estimate (experiments/compare.py):
+    forward + backward (rows with a gradient, ppo_epochs times) and no-grad forwards (the CRM
+    pass under x and x~, stored old log-probs, the reference). Counted per row, prompt +
+    response: shared-prompt packing's saving is not subtracted. Summed over ranks."""
+    def tokens(rs):
+        return sum(len(r.prompt_ids) + len(r.response_ids) for r in rs)
+    trained = tokens(r for r in rows if r.advantage != 0.0 or cfg.kl_beta > 0)
+    crm = sum(len(r.tilde_prompt_ids) + len(r.response_ids) for r in rows if r.tilde_prompt_ids is not None)
+    crm += tokens(r for r in rows if r.tilde_prompt_ids is not None)
+    stored = trained * ((cfg.ppo_epochs > 1 or cfg.mini_batches > 1) + (cfg.kl_beta > 0))
+    return {"train_fb_tokens": int(dist.all_sum(trained * cfg.ppo_epochs)),
+            "nograd_tokens": int(dist.all_sum(crm + stored))}
 
 
 def generated_tokens(counts):

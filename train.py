@@ -49,7 +49,6 @@ import json
 import math
 import os
 import random
-import resource
 import sys
 import time
 import types
@@ -70,10 +69,10 @@ from model import pad_token_id, resolve_model
 from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, dry_run_report,
                     load_data, parse_overrides, pick_device, resolve_settings, shared_prompt_refusal)
 from prompts import problem_messages
-from rollout import HFRollout, encode_prompt, make_reflector, make_rollout, remote_reflector
-from runs import (RunLog, StopSignal, generated_tokens, link_checkpoint, load_rank_state, load_trainer_state,
-                  print_summary, prune_checkpoints, resolve_resume, route_library_logs, save_checkpoint, save_export,
-                  start_branch, time_summary)
+from rollout import HFRollout, Sample, encode_prompt, make_reflector, make_rollout, remote_reflector
+from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
+                  load_trainer_state, print_summary, prune_checkpoints, resolve_resume, route_library_logs,
+                  save_checkpoint, save_export, start_branch, step_metrics, time_summary)
 from verify import REWARDS
 
 
@@ -93,7 +92,7 @@ class Config:
     vllm_sleep_level: int = 1  # GPU: while training, 1 = offload vLLM's weights and drop its KV cache, 2 = drop both (re-pushed every step), 0 = off
     enforce_eager: bool = False  # GPU: vLLM without CUDA graphs (starts faster, decodes slower); vLLM-CPU always runs eager
     cpu_threads: int = 0  # GPU: torch CPU threads per process (0 = the cores this process may use / processes on the node); vLLM would leave 1
-    algo: str = "p2o"  # p2o | grpo
+    algo: str = "p2o"  # p2o | grpo | sft (supervised: each problem's gold solution is its one rollout, A = 1)
     # ---- rollouts
     prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
     group_size: int = 6  # K: rollouts per prompt (paper 6; the 2K baseline is 12)
@@ -103,7 +102,7 @@ class Config:
     dynamic_sampling: bool = False  # DAPO: drop all-equal groups, refill with more prompts
     max_refills: int = 3  # bound on DAPO refill rounds per step
     # ---- loss (grpo.py)
-    adv_norm: str = "group"  # group: (r - mean) / (std + 1e-6) | none: r - mean (Dr. GRPO)
+    adv_norm: str = "group"  # group: (r - mean) / (std + 1e-6) | none: r - mean (Dr. GRPO) | raw: r (no baseline)
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     eps_low: float = 0.2  # PPO clip below 1
     eps_high: float = 0.2  # PPO clip above 1 (0.28 = DAPO clip-higher)
@@ -134,6 +133,7 @@ class Config:
     reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
     seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
+    fixed_template: str = ""  # algo=grpo: a templates file whose first line templates every rollout from step 1 (no GEPA)
     context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
     crm: bool = True  # Context Ratio Mask on templated rows (False: ablation; the reference's replace_prompts_when_log_prob)
     crm_low: float = 0.01  # tokens with c_t < crm_low are masked
@@ -320,7 +320,21 @@ def generate_groups(engine, problems, assignment, cfg, seed):
     return groups
 
 
-def collect_groups(engine, stream, state, cfg, reward_fn):
+def gold_groups(tokenizer, chat_kwargs, engine, problems, assignment, cfg, seed):
+    """--algo=sft: instead of sampling, each problem's gold `solution` is its one rollout, ended
+    by the boxed answer the prompt asks for (appended when it has none) and EOS."""
+    groups = []
+    for p in problems:
+        if not p.solution:
+            raise SystemExit(f"--algo=sft: training problem {p.id} has no solution")
+        text = p.solution if "\\boxed" in p.solution else f"{p.solution} The answer is \\boxed{{{p.answer}}}."
+        response = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        prompt = encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs)
+        groups.append(Group(p, [Sample(prompt, response, text, "stop")], [""], []))
+    return groups
+
+
+def collect_groups(engine, stream, state, cfg, reward_fn, generate=generate_groups):
     """This step's groups: generate, score, mine hard prompts (judged on the rollouts they
     actually got, templated ones included); DAPO refills while groups carry no signal. Prompts
     come from one epoch only: the epoch's last step may be short, and a refill stops at its end.
@@ -335,15 +349,21 @@ def collect_groups(engine, stream, state, cfg, reward_fn):
         state.consumed += len(problems)
         t = time.perf_counter()
         seed = (cfg.seed * 100_003 + state.step) * 10_000 + info["refills"] * 1_000  # exact resume; the engine adds its rank
-        local = generate_groups(engine, dist.split(problems, dist.rank(), dist.world()), state.assignment, cfg, seed)
+        local = generate(engine, dist.split(problems, dist.rank(), dist.world()), state.assignment, cfg, seed)
         info["generate"] += time.perf_counter() - t
         t = time.perf_counter()
         for g in local:
             g.rewards = [reward_fn(s.text, g.problem) for s in g.samples]
         new = dist.unsplit(dist.gather_objects(local))  # all groups, in prompt order, on every rank
         info["score"] += time.perf_counter() - t
+        if cfg.algo == "sft" and not all(r > 0 for g in new for r in g.rewards):
+            raise SystemExit(f"--algo=sft: the gold solution of {next(g for g in new if 0 in g.rewards).problem.id} "
+                             f"does not score under --reward={cfg.reward}")
         state.counts["train_rollouts"] += sum(len(g.samples) for g in new)
-        state.counts["train_tokens"] += sum(len(s.response_ids) for g in new for s in g.samples)
+        state.counts["gold_tokens" if cfg.algo == "sft" else "train_tokens"] += sum(
+            len(s.response_ids) for g in new for s in g.samples)
+        state.counts["rollout_prefill_tokens"] += sum(len(g.samples[g.templates.index(t)].prompt_ids) for g in new
+                                                      for t in set(g.templates)) if cfg.algo != "sft" else 0
         for g in new:
             if cfg.algo == "p2o" and sum(g.rewards) < cfg.tau:
                 state.hard_now[g.problem.id] = None
@@ -363,7 +383,7 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     rank's whole groups (dist.split: groups rank, rank + world, ...), tagged with their
     index among all the step's groups."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
-    adv = grpo.group_advantages(rewards, cfg.adv_norm)  # [G, K]
+    adv = grpo.group_advantages(rewards, "raw" if cfg.algo == "sft" else cfg.adv_norm)  # [G, K]
     rows = []
     for gi, (g, group_adv) in enumerate(zip(groups, adv.tolist())):
         if gi % dist.world() != dist.rank():
@@ -512,46 +532,6 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
                   dist.sum_counters(sums, ("mismatch_abs_max",)))
 
 
-def step_metrics(state, groups, update, info, lr, cfg):
-    """One line of metrics.jsonl (and the TensorBoard train/* scalars)."""
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
-    flat = [s for g in groups for s in g.samples]
-    lengths = [len(s.response_ids) for s in flat]
-    step_tokens = sum(lengths)  # every rollout (a training row, unless --drop_failed_templated drops it)
-    templated = [any(g.templates) for g in groups]
-    t_rewards = [r for g, t in zip(groups, templated) if t for r in g.rewards]
-    p_rewards = [r for g, t in zip(groups, templated) if not t for r in g.rewards]
-    s = update.sums
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {
-        "step": state.step, "epoch": state.epoch,
-        "reward_mean": rewards.mean().item(),
-        "accuracy_any": (rewards.max(dim=1).values > 0).float().mean().item(),
-        "zero_variance_groups": (rewards.std(dim=1) == 0).float().mean().item() if rewards.shape[1] > 1 else 1.0,
-        "groups": len(groups), "refills": info["refills"],
-        "response_len_mean": mean(lengths), "response_len_max": max(lengths),
-        "truncated": mean([s.finish_reason == "length" for s in flat]),
-        "loss": update.loss, "kl": s["kl_sum"] / max(1, step_tokens * cfg.ppo_epochs),
-        "clip_fraction": s["clipped_tokens"] / max(1, step_tokens * cfg.ppo_epochs),
-        "entropy": s["entropy_sum"] / max(1, s["entropy_tokens"]),
-        "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
-        "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
-        "dropped_failed_templated": sum(bool(t) and r <= 0 for g in groups for t, r in zip(g.templates, g.rewards))
-        if cfg.drop_failed_templated else 0,
-        "reward_templated_groups": mean(t_rewards), "reward_plain_groups": mean(p_rewards),
-        "crm_masked_fraction": s["crm_out_of_band_tokens"] / max(1, s["crm_templated_tokens"]),
-        "crm_mean_log_ratio": s["crm_log_ratio_sum"] / max(1, s["crm_templated_tokens"]),
-        "sampler_mismatch_mean": s["mismatch_abs_sum"] / max(1, s["mismatch_tokens"]),  # |log pi_old - log pi_sampler|
-        "sampler_mismatch_max": s["mismatch_abs_max"],
-        "hard_so_far": len(state.hard_now),
-        "generated_tokens": generated_tokens(state.counts),  # cumulative: the x axis of a compute-matched comparison
-        **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},
-        "gen_tokens_per_s": sum(lengths) / max(info["generate"], 1e-9), "skipped_steps": state.skipped_steps,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "prompt_ids": [g.problem.id for g in groups],
-    }
-
-
 # ----------------------------------------------------------------------------- GEPA at an epoch's end
 
 
@@ -565,6 +545,7 @@ def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
                               temperature=0.0, max_tokens=cfg.max_tokens)
         counts[f"{kind}_rollouts"] += len(pairs)
         counts[f"{kind}_tokens"] += sum(len(g[0].response_ids) for g in out)
+        counts[f"{kind}_prefill_tokens"] += sum(len(g[0].prompt_ids) for g in out)
         return [g[0].text for g in out]
 
     def reflect(prompts):
@@ -778,6 +759,9 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
     state = LoopState()  # all of it is in every checkpoint, so a resumed run continues exactly
+    if cfg.fixed_template:  # rejection-sampling distillation's one template, on every prompt from step 1
+        fixed = gepa.read_seed_templates(cfg.fixed_template, cfg.max_template_chars)[0]
+        state.assignment = {p.id: [fixed] * cfg.group_size for p in train_set}
     if saved:
         own = load_rank_state(resume_path, rank) if world > 1 else saved
         state = restore(saved, own, optimizer, scheduler, warmup, cfg)
@@ -850,8 +834,10 @@ def train_step(run):
     """One step: collect groups -> training rows -> policy update -> verified push -> metrics."""
     cfg, state, engine = run.cfg, run.state, run.engine
     t0 = time.perf_counter()
-    groups, info = collect_groups(engine, run.stream, state, cfg, run.reward_fn)
+    generate = functools.partial(gold_groups, run.tokenizer, run.chat_kwargs) if cfg.algo == "sft" else generate_groups
+    groups, info = collect_groups(engine, run.stream, state, cfg, run.reward_fn, generate)
     rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs)
+    state.counts.update(forward_tokens(rows, cfg))
     t = time.perf_counter()
     if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
         engine.sleep()

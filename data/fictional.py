@@ -42,6 +42,11 @@ FACTOR = 13  # small units per big unit, for every pair: never guessed untemplat
 RULE = f"Every big unit here is {FACTOR} of its small unit: n big units = n × {FACTOR} small units."
 COUNTS = range(2, 10)
 SPLITS = {"train": 4, "dev": 1, "test": 3}  # problems per pair
+# The held-out rule split: the same rule on unit names never seen in training and counts outside
+# COUNTS, so no answer (13n, n = 10..17: 130..221) was ever a training answer or a trained token
+# sequence. Only a policy that applies the rule (not one that recalls answers) can solve it.
+HELDOUT_PAIRS = [("trog", "mib"), ("zundle", "pex"), ("brack", "wunt"), ("glim", "hosk"), ("fremp", "dorl")]
+HELDOUT_COUNTS = range(10, 18)
 
 
 def make_splits(seed=0):
@@ -54,12 +59,19 @@ def make_splits(seed=0):
         start = 0
         for name, size in SPLITS.items():
             for n in counts[start:start + size]:
-                splits[name].append(Problem(
-                    id=f"fictional-{big}-{n}", problem=f"How many {small}s are in {n} {big}s?", answer=str(n * FACTOR),
-                    solution=f"1 {big} is {FACTOR} {small}s, so {n} × {FACTOR} = {n * FACTOR}.",
-                    source=f"fictional/{big}"))
+                splits[name].append(problem(big, small, n))
             start += size
     return splits
+
+
+def heldout_split():
+    """[Problem]: every held-out pair with every held-out count (40 problems, no randomness)."""
+    return [problem(big, small, n, "fictional-heldout") for big, small in HELDOUT_PAIRS for n in HELDOUT_COUNTS]
+
+
+def problem(big, small, n, kind="fictional"):
+    return Problem(id=f"{kind}-{big}-{n}", problem=f"How many {small}s are in {n} {big}s?", answer=str(n * FACTOR),
+                   solution=f"1 {big} is {FACTOR} {small}s, so {n} × {FACTOR} = {n * FACTOR}.", source=f"{kind}/{big}")
 
 
 def main():
@@ -67,7 +79,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(DATA_DIR, "fictional"))
     args = ap.parse_args()
-    for name, rows in make_splits(args.seed).items():
+    for name, rows in {**make_splits(args.seed), "heldout": heldout_split()}.items():
         path = os.path.join(args.out, f"{name}.jsonl")
         write_jsonl(path, rows)
         print(f"wrote {len(rows)} problems to {path}")

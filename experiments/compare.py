@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import random
 import shutil
@@ -56,7 +57,7 @@ from eval import answer_records, summarize_records  # noqa: E402
 from gepa import leaks_answer  # noqa: E402
 from model import resolve_model, tiny_random_model  # noqa: E402
 from plot import read_jsonl  # noqa: E402
-from runs import write_atomic  # noqa: E402
+from runs import GENERATED, write_atomic  # noqa: E402
 
 
 @dataclass
@@ -68,16 +69,28 @@ class Task:
     arms: tuple  # the arms run by default
     budget: int  # generated tokens per run (--max_gen_tokens)
     train_per_source: int = 0  # > 0: the first N training problems of each source (a shorter epoch)
+    heldout: str = ""  # a second test set: problems whose answers no training problem has
+    templated: bool = False  # also score the held-out set with the seed template in every prompt
+    score_best: bool = True  # also score the best-dev checkpoint (where it is not the final one)
+    seeds: dict = dataclasses.field(default_factory=dict)  # arm -> seeds, for arms run on more than --seeds
+    crm_probe: tuple = ()  # (question, correct templated response): per-token CRM ratios of every run's policy
 
 
 BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
+FIVE_SEEDS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill", "sft_gold", "p2o_human_crm_low",
+              "p2o_human_crm_soft", "p2o_self_official")  # fictional: the arms run on five seeds
 TASKS = {
     # the natural task: expected no P²O gain at 135M (no context unlocks its hard levels, docs/EVIDENCE.md)
     "natural": Task("builtin-train", "builtin-dev", "builtin-test", "data/builtin/human_templates.txt",
                     BASELINES, budget=15_000, train_per_source=8),
     # the mechanism test: the conversion rule exists only in a template; GRPO alone gets no signal
+    # the five-seed arms first (run_all is seed-major): a comparison cut short has them complete
     "fictional": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt",
-                      BASELINES + ("p2o_human_no_distill", "p2o_human_no_crm"), budget=30_000),
+                      FIVE_SEEDS + ("grpo_2k", "dapo", "p2o_self", "p2o_human_no_distill"), budget=30_000,
+                      heldout="fictional-heldout", templated=True, score_best=False,
+                      seeds={arm: (0, 1, 2, 3, 4) for arm in FIVE_SEEDS},
+                      crm_probe=("How many snigs are in 2 plonks?",
+                                 "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
 }
 SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
 ARMS = {  # train.py settings of each arm, on top of the shared ones
@@ -89,6 +102,19 @@ ARMS = {  # train.py settings of each arm, on top of the shared ones
     "p2o_human_no_distill": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "context_distill": False},
     "p2o_human_no_crm": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm": False},
     "p2o_human_same_template": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "same_template_per_group": True},
+    # CRM dose-response: a band wide enough to keep the fact's token (log c -7.91 > log 1e-4), and soft weights
+    "p2o_human_crm_low": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm_low": 1e-4},
+    "p2o_human_crm_soft": {"algo": "p2o", "seed_templates": SEED_TEMPLATES, "crm_soft": True},
+    # rejection-sampling distillation: the seed template on every prompt from step 1, no GEPA; the
+    # correct answers trained under the plain prompt by maximum likelihood (A = r, failures dropped), no CRM
+    "rs_distill": {"algo": "grpo", "fixed_template": SEED_TEMPLATES, "adv_norm": "raw",
+                   "drop_failed_templated": True, "crm": False},
+    # supervised fine-tuning on the gold solutions under the plain prompt: a step of B x K gold rows
+    # (as many rows as an RL step), its gold tokens counted against the budget, log-probs at T = 1
+    "sft_gold": {"algo": "sft", "prompts_per_step": "BxK", "group_size": 1, "temperature": 1.0},
+    # Self-Ref with the reference code's reflection prompt (asks for domain facts), as its preset sends it
+    "p2o_self_official": {"algo": "p2o", "reflector": "init", "reflect_prompt": "official", "reflect_guards": False,
+                          "reflect_temperature": 0.6, "reflect_max_tokens": 256},
 }
 SHARED = {  # every arm, every task (sizes: docs/EVIDENCE.md)
     "prompts_per_step": 8, "group_size": 6, "max_tokens": 96, "epochs": 1000, "eval_every": 4, "eval_k": 0,
@@ -109,6 +135,8 @@ def arm_settings(arm, task, shared):
             value = os.path.join(ROOT, task.seed_templates)
         if value == "2K":
             value = 2 * settings["group_size"]
+        if value == "BxK":
+            value = settings["prompts_per_step"] * settings["group_size"]
         settings[key] = value
     return settings
 
@@ -172,34 +200,76 @@ def add_train_seconds(run_dir, seconds):
 
 
 class Scorer:
-    """Test-set scores of checkpoints with one engine, loaded once and pushed each checkpoint's weights."""
+    """Test scores of checkpoints with one engine, loaded once and pushed each checkpoint's weights.
+    A checkpoint's sets [(name, problems, template, k)] are answered together (eval.answer_sets:
+    one engine call for the greedy answers, one for the samples); the sampling seed is the same
+    for every checkpoint, so arms are compared on common random numbers."""
 
-    def __init__(self, backend, k, temperature, max_tokens):
-        self.backend, self.k, self.temperature, self.max_tokens, self.engine = backend, k, temperature, max_tokens, None
+    def __init__(self, backend, temperature, max_tokens, dtype="bfloat16"):
+        self.backend, self.temperature, self.max_tokens, self.dtype, self.engine = backend, temperature, max_tokens, \
+            dtype, None
 
-    def __call__(self, checkpoint, problems, seed=0):
+    def __call__(self, checkpoint, sets, seed=0):
+        """-> {set name: {"overall", "by_source"}}, [per-problem row] (problem_rows)."""
         from safetensors.torch import load_file
 
+        from eval import answer_sets
         from rollout import make_rollout
 
         if self.engine is None:
-            self.engine = make_rollout(self.backend, checkpoint, seed=seed)
+            self.engine = make_rollout(self.backend, checkpoint, seed=seed, dtype=self.dtype)
         else:
             self.engine.push_weights(load_file(os.path.join(checkpoint, "model.safetensors")))
-        records = answer_records(self.engine, problems, k=self.k, temperature=self.temperature,
-                                 max_tokens=self.max_tokens, progress=False, seed=seed)
-        overall, by_source = summarize_records(records, self.k)
-        return {"overall": overall, "by_source": by_source}
+        answered = answer_sets(self.engine, [(problems, template, k) for _, problems, template, k in sets],
+                               temperature=self.temperature, max_tokens=self.max_tokens, progress=False, seed=seed)
+        scores, rows = {}, []
+        for (name, _, template, k), records in zip(sets, answered):
+            overall, by_source = summarize_records(records, k)
+            scores[name] = {"overall": overall, "by_source": by_source}
+            rows += problem_rows(name, bool(template), k, records)
+        return scores, rows
 
 
-def untrained_result(path, scorer, model, test):
-    """The starting model's test scores (once per task, kept in path): the row every arm starts from."""
+def problem_rows(set_name, templated, k, records):
+    """One small row per problem: greedy correct (0/1), correct samples of k, the greedy answer."""
+    return [{"set": set_name, "templated": templated, "id": r["id"], "greedy": r["rewards"][0],
+             "correct": int(sum(r["sampled"]["rewards"])) if k else 0, "k": k, "greedy_response": r["responses"][0]}
+            for r in records]
+
+
+def score_sets(task, test, heldout, rule, k, k_templated):
+    """What a checkpoint is scored on: the test split, the held-out split, and the held-out split
+    with the seed template in every prompt (templated tasks)."""
+    sets = [("test", test, "", k)]
+    if heldout:
+        sets.append(("heldout", heldout, "", k))
+        if task.templated:
+            sets.append(("heldout_templated", heldout, rule, k_templated))
+    return sets
+
+
+def untrained_result(run_dir, scorer, model, sets, probe=None):
+    """The starting model's scores (once per task, in run_dir): the row every arm starts from."""
+    path = os.path.join(run_dir, "result.json")
     if not os.path.exists(path):
-        score = scorer(model, test)
+        os.makedirs(run_dir, exist_ok=True)
+        scores, rows = scorer(model, sets)
+        write_jsonl_rows(os.path.join(run_dir, "problems.jsonl"), [{**r, "checkpoint": "final"} for r in rows])
+        if probe:
+            write_json(os.path.join(run_dir, "crm_tokens.json"), crm_probe(model, *probe))
         result = {"arm": "untrained", "seed": None, "generated_tokens": 0, "steps": 0, "train_seconds": 0.0,
-                  "test": {"final": score, "best": score}, "dev": [], "templates_assigned": 0, "leaks": []}
+                  "test": {"final": scores["test"], "best": scores["test"]}, "sets": {"final": scores},
+                  "dev": [], "templates_assigned": 0, "leaks": [], "flops": 0.0}
         write_json(path, result)
     return json.load(open(path))
+
+
+def write_jsonl_rows(path, rows):
+    """Atomically, one JSON object a line."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_atomic(path, write)
 
 
 def write_json(path, obj):
@@ -224,27 +294,111 @@ def leak_audit(run_dir, answers):
     return assigned, leaks
 
 
-def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, test, answers):
-    """Score the final and the best-dev checkpoints, audit the templates, write result.json."""
+def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, sets, answers, task, base):
+    """Score the final (and, where the task asks, the best-dev) checkpoint on every set, probe the
+    CRM ratios, audit the templates; write problems.jsonl, then result.json (its presence marks
+    the run finished). A final checkpoint whose weights equal the starting model's (no update
+    ever had a gradient) takes the untrained model's scores and per-problem rows, said so in
+    result.json["scored_as"]."""
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     tokens_at = {m["step"]: m["generated_tokens"] for m in metrics}
     dev = [{**d, "generated_tokens": tokens_at.get(d["step"], 0)} for d in read_jsonl(os.path.join(run_dir, "dev.jsonl"))]
     final = os.path.realpath(os.path.join(run_dir, "latest"))
     best = os.path.realpath(os.path.join(run_dir, "best")) if os.path.exists(os.path.join(run_dir, "best")) else final
+    if not task.score_best:
+        best = final
     t = time.perf_counter()
-    scores = {"final": scorer(final, test)}
-    scores["best"] = scores["final"] if best == final else scorer(best, test)
+    scored_as = "own"
+    if same_weights(final, base["model"]):
+        scored_as = "untrained (the final weights equal the starting model's)"
+        scores = {"final": base["result"]["sets"]["final"]}
+        rows = [{**r, "checkpoint": "final"} for r in read_jsonl(os.path.join(base["dir"], "problems.jsonl"))]
+    else:
+        scores, rows = {}, []
+        for which, path in (("final", final), ("best", best)):
+            if which == "best" and path == final:
+                break
+            scores[which], got = scorer(path, sets if which == "final" else sets[:1])
+            rows += [{**r, "checkpoint": which} for r in got]
     score_seconds = time.perf_counter() - t
+    write_jsonl_rows(os.path.join(run_dir, "problems.jsonl"), rows)
+    if task.crm_probe:
+        write_json(os.path.join(run_dir, "crm_tokens.json"),
+                   crm_probe(final, *task.crm_probe, first_template(task.seed_templates)))
     assigned, leaks = leak_audit(run_dir, answers)
     last = metrics[-1] if metrics else {}
     settings = {k: repo_relative(v) for k, v in settings.items()}
+    test = {"final": scores["final"]["test"], "best": scores.get("best", scores["final"])["test"]}
     result = {"arm": arm, "seed": seed, "settings": settings, "budget": budget,
               "generated_tokens": last.get("generated_tokens", 0), "steps": last.get("step", 0),
-              "train_seconds": wall, "score_seconds": score_seconds, "final_checkpoint": os.path.basename(final),
-              "best_checkpoint": os.path.basename(best), "test": scores, "dev": dev,
-              "templates_assigned": assigned, "leaks": leaks}
+              "train_seconds": wall, "score_seconds": score_seconds, "scored_as": scored_as,
+              "final_checkpoint": os.path.basename(final), "best_checkpoint": os.path.basename(best),
+              "test": test, "sets": scores, "dev": dev, "templates_assigned": assigned, "leaks": leaks,
+              "counts": last.get("counts", {}), "flops": flops(last.get("counts", {}), base["params"])}
     write_json(os.path.join(run_dir, "result.json"), result)
     return result
+
+
+def same_weights(checkpoint, model):
+    """True when the checkpoint's tensors equal the model's (compared in float32)."""
+    from safetensors import safe_open
+
+    paths = [sorted(glob.glob(os.path.join(p, "*.safetensors"))) for p in (checkpoint, model)]
+    if not all(paths):
+        return False
+    tensors = []
+    for files in paths:
+        out = {}
+        for path in files:
+            with safe_open(path, "pt") as f:
+                out.update({k: f.get_tensor(k).float() for k in f.keys()})
+        tensors.append(out)
+    a, b = tensors
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def param_count(model):
+    """Parameters of a model folder's safetensors (a tied embedding counted once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for k in f.keys():
+                total += math.prod(f.get_slice(k).get_shape())
+    return total
+
+
+def flops(counts, params):
+    """Training compute of a run from train.py's token counts: 2N FLOPs per token through a forward
+    (generation's prompts and answers -- rollouts, GEPA's answers, reflections --, the CRM pass
+    and other no-grad forwards) and 6N per token trained (forward + backward), N = parameters
+    (the tied embedding once: it is the output layer's matmul). The attention's context term
+    (under 5% at these lengths) is left out."""
+    forward = sum(v for k, v in counts.items() if k.endswith("prefill_tokens"))
+    forward += sum(counts.get(k, 0) for k in GENERATED if k != "gold_tokens") + counts.get("nograd_tokens", 0)
+    return 2.0 * params * forward + 6.0 * params * counts.get("train_fb_tokens", 0)
+
+
+def crm_probe(model, question, response, rule):
+    """experiments/crm_tokens.py's per-token table for the probe (question, response) under the
+    task's rule as the template, on one policy: [{token, logp_plain, logp_templated, log_c, masked}]."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from experiments.crm_tokens import token_ratios
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    rows = token_ratios(policy, tokenizer, question, response, rule)
+    return [{"token": t, "logp_plain": p, "logp_templated": q, "log_c": c, "masked": m} for t, p, q, c, m in rows]
+
+
+def first_template(path):
+    """The first template of a seed-templates file (the task's rule)."""
+    from gepa import read_seed_templates
+
+    return read_seed_templates(os.path.join(ROOT, path), 10_000)[0]
 
 
 def drop_checkpoints(run_dir):
@@ -376,38 +530,67 @@ def tiny_model(out):
     return path
 
 
-def run_all(out, plans, seeds, shared, model, scorer, keep_checkpoints=False):
+@dataclass
+class Plan:
+    """One task of a comparison: what its runs train on and are scored on."""
+    task: Task
+    sets: list  # [(name, problems, template, k)] (score_sets)
+    answers: dict  # training problem id -> answer (the leak audit)
+    budget: int
+    arms: list
+    seeds: dict  # arm -> seeds
+
+
+def run_all(out, plans, shared, model, scorer, keep_checkpoints=False):
     """Train and score every run not finished yet (a run is finished once its result.json exists);
     a scored run's checkpoints are deleted unless keep_checkpoints.
-    Seed-major order: a comparison cut short has every arm of the first seeds, not every seed of
+    Order: the arms a task runs on more seeds (Task.seeds) first, then the others; within each,
+    seed-major, so a comparison cut short has every arm of the first seeds, not every seed of
     the first arms."""
-    for seed in seeds:
-        for task_name, (task, test, answers, budget, arms) in plans.items():
-            for arm in arms:
-                run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
-                if os.path.exists(os.path.join(run_dir, "result.json")):
-                    continue
-                print(f"{task_name} / {arm} / seed {seed}: training to {budget:,} generated tokens", flush=True)
-                settings = arm_settings(arm, task, shared)
-                seconds = train_run(run_dir, settings, budget, model, seed)
-                r = finish_run(run_dir, arm, seed, settings, budget, seconds, scorer, test, answers)
-                if not keep_checkpoints:
-                    drop_checkpoints(run_dir)
-                greedy = r["test"]["final"]["overall"]["greedy"]
-                print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
-                      f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; test greedy {greedy:.3f}", flush=True)
+    jobs = sorted(((arm not in plan.task.seeds, seed, i, task_name, arm) for task_name, plan in plans.items()
+                   for i, arm in enumerate(plan.arms) for seed in plan.seeds[arm]))
+    bases = {}
+    for _, seed, _, task_name, arm in jobs:
+        plan = plans[task_name]
+        run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
+        if os.path.exists(os.path.join(run_dir, "result.json")):
+            continue
+        print(f"{task_name} / {arm} / seed {seed}: training to {plan.budget:,} generated tokens", flush=True)
+        settings = arm_settings(arm, plan.task, shared)
+        base = bases[task_name] = bases.get(task_name) or untrained_base(out, task_name, model)
+        seconds = train_run(run_dir, settings, plan.budget, model, seed)
+        r = finish_run(run_dir, arm, seed, settings, plan.budget, seconds, scorer, plan.sets, plan.answers,
+                       plan.task, base)
+        if not keep_checkpoints:
+            drop_checkpoints(run_dir)
+        scores = "; ".join(f"{name} greedy {v['overall']['greedy']:.3f}" for name, v in r["sets"]["final"].items())
+        print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
+              f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; {scores}", flush=True)
 
 
-def collect_results(out, plans, seeds):
-    """{task: {arm: [result per finished seed]}}, with the untrained model as the arm "untrained"."""
+def untrained_base(out, task_name, model):
+    """The starting model and its scored run (untrained_result), for finish_run's equal-weights case."""
+    from model import resolve_model as resolve
+
+    run_dir = os.path.join(out, task_name, "untrained")
+    path = resolve(model)
+    return {"dir": run_dir, "model": path, "params": param_count(path),
+            "result": json.load(open(os.path.join(run_dir, "result.json")))}
+
+
+def collect_results(out, plans):
+    """{task: {arm: [result per finished seed]}}, with the untrained model as the arm "untrained"
+    (untrained/result.json; untrained.json in comparisons run before per-problem results)."""
     results = {}
-    for task_name, (task, test, answers, budget, arms) in plans.items():
+    for task_name, plan in plans.items():
         results[task_name] = {}
-        untrained = os.path.join(out, task_name, "untrained.json")
-        if os.path.exists(untrained):
-            results[task_name]["untrained"] = [json.load(open(untrained))]
-        for arm in arms:
-            for seed in seeds:
+        for untrained in (os.path.join(out, task_name, "untrained", "result.json"),
+                          os.path.join(out, task_name, "untrained.json")):
+            if os.path.exists(untrained):
+                results[task_name]["untrained"] = [json.load(open(untrained))]
+                break
+        for arm in plan.arms:
+            for seed in plan.seeds[arm]:
                 done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
                 if os.path.exists(done):
                     results[task_name].setdefault(arm, []).append(json.load(open(done)))
@@ -418,11 +601,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default=None, help=f"comma-separated: {', '.join(TASKS)} (default: all)")
     ap.add_argument("--arms", default=None, help=f"comma-separated (default: each task's own list): {', '.join(ARMS)}")
-    ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2)")
+    ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2, and each task's own for its arms "
+                                                  "run on more)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--budget", type=int, default=0, help="generated tokens per run (default: each task's own)")
     ap.add_argument("--k", type=int, default=None, help="test samples per problem for avg@k and pass@k (default 16)")
+    ap.add_argument("--k_templated", type=int, default=None, help="samples per problem of the templated held-out "
+                                                                  "score (default 8)")
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a train.py setting for every run, e.g. --set=engine_dtype=float32 --set=autocast_bf16=False "
+                         "on a CPU without bf16 (engine_dtype also sets the scoring engine's)")
     ap.add_argument("--out", default="results/compare")
     ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 2 arms x 2 seeds")
     ap.add_argument("--report_only", action="store_true", help="rewrite the report from the finished runs")
@@ -430,15 +619,20 @@ def main(argv=None):
     ap.add_argument("--reflector", default="", help="an OpenAI-compatible server: adds the p2o_teacher arm")
     ap.add_argument("--reflector_model", default="", help="the model name at --reflector ('' = its first)")
     args = ap.parse_args(argv)
+    explicit_seeds = args.seeds is not None
     if args.quick:  # one task, 2 arms x 2 seeds, a short epoch (1 problem per source), 2 test samples
         shared, backend, per_source = QUICK, "hf", 1
-        defaults = {"tasks": "fictional", "arms": "grpo_k,p2o_human", "seeds": "0,1", "k": 2, "budget": 300}
+        defaults = {"tasks": "fictional", "arms": "grpo_k,p2o_human", "seeds": "0,1", "k": 2, "k_templated": 2,
+                    "budget": 300}
+        explicit_seeds = True
     else:
         shared, backend, per_source = SHARED, "vllm", None
-        defaults = {"tasks": ",".join(TASKS), "arms": "", "seeds": "0,1,2", "k": 16, "budget": 0}
+        defaults = {"tasks": ",".join(TASKS), "arms": "", "seeds": "0,1,2", "k": 16, "k_templated": 8, "budget": 0}
     for key, value in defaults.items():
         if getattr(args, key) in (None, 0):
             setattr(args, key, value)
+    extra = dict(item.split("=", 1) for item in args.set)
+    shared = {**shared, **extra}
     if args.reflector:  # Teacher-Ref: the API key stays in the environment (train.py --reflector_api_key_env)
         ARMS["p2o_teacher"] = {"algo": "p2o", "reflector": args.reflector, "reflector_model": args.reflector_model}
     out = os.path.abspath(args.out)
@@ -446,9 +640,9 @@ def main(argv=None):
     model = tiny_model(out) if args.quick else args.model
     if os.path.exists(model):  # a local folder named from this shell's folder; train.py runs in the repo's
         model = os.path.abspath(model)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    scorer = Scorer(backend, args.k, args.temperature, shared["max_tokens"])
-    plans = {}  # task -> (task, test problems, training answers, budget, arms)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    scorer = Scorer(backend, args.temperature, shared["max_tokens"], extra.get("engine_dtype", "bfloat16"))
+    plans = {}
     for task_name in args.tasks.split(","):
         task = TASKS[task_name]
         per = per_source or task.train_per_source
@@ -456,18 +650,22 @@ def main(argv=None):
             task = dataclasses.replace(task, train=source_subset(task.train, per, os.path.join(out, task_name,
                                                                                              "train.jsonl")))
         arms = args.arms.split(",") if args.arms else list(task.arms) + (["p2o_teacher"] if args.reflector else [])
-        plans[task_name] = (task, load_jsonl(task.test)[0], {p.id: p.answer for p in load_jsonl(task.train)[0]},
-                            args.budget or task.budget, arms)
-        if not args.report_only:  # the starting model's scores first (the row every arm starts from)
-            os.makedirs(os.path.join(out, task_name), exist_ok=True)
-            untrained_result(os.path.join(out, task_name, "untrained.json"), scorer, resolve_model(model),
-                             plans[task_name][1])
+        rule = first_template(task.seed_templates)
+        sets = score_sets(task, load_jsonl(task.test)[0], load_jsonl(task.heldout)[0] if task.heldout else [], rule,
+                          args.k, args.k_templated)
+        plans[task_name] = Plan(task, sets, {p.id: p.answer for p in load_jsonl(task.train)[0]},
+                                args.budget or task.budget, arms,
+                                {arm: seeds if explicit_seeds else task.seeds.get(arm, seeds) for arm in arms})
+        legacy = os.path.exists(os.path.join(out, task_name, "untrained.json"))  # scored before per-problem rows
+        if not args.report_only and not legacy:  # the starting model's scores first (the row every arm starts from)
+            untrained_result(os.path.join(out, task_name, "untrained"), scorer, resolve_model(model), sets,
+                             task.crm_probe and (*task.crm_probe, rule))
     if not args.report_only:
-        run_all(out, plans, seeds, shared, model, scorer, args.keep_checkpoints)
+        run_all(out, plans, shared, model, scorer, args.keep_checkpoints)
     given = argv if argv is not None else sys.argv[1:]  # the runs' command: --report_only only rewrote this file
     command = "python experiments/compare.py " + " ".join(a for a in given if a not in ("--report_only",
                                                                                       "--keep_checkpoints"))
-    write_report(out, collect_results(out, plans, seeds), args.k, command.strip())
+    write_report(out, collect_results(out, plans), args.k, command.strip())
     print(f"wrote {out}/report.md")
     return 0
 
