@@ -39,10 +39,8 @@ import glob
 import json
 import math
 import os
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -53,11 +51,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from data import load_jsonl, write_jsonl  # noqa: E402
-from eval import answer_records, summarize_records  # noqa: E402
+from eval import summarize_records  # noqa: E402
 from gepa import leaks_answer  # noqa: E402
 from model import resolve_model, tiny_random_model  # noqa: E402
 from plot import read_jsonl  # noqa: E402
 from runs import GENERATED, write_atomic  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import read_problems, write_report  # noqa: E402
 
 
 @dataclass
@@ -410,115 +411,6 @@ def drop_checkpoints(run_dir):
         shutil.rmtree(path)
 
 
-# ----------------------------------------------------------------------------- the report
-
-
-def mean_std(xs):
-    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-def bootstrap_ci(diffs, n=10_000, seed=0):
-    """95% percentile interval of the mean of `diffs`, resampled with replacement."""
-    rng = random.Random(seed)
-    means = sorted(statistics.mean(rng.choices(diffs, k=len(diffs))) for _ in range(n))
-    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
-
-
-def metric_keys(k):
-    return ["greedy"] + ([f"avg@{k}", f"pass@{k}"] if k else [])
-
-
-def task_report(task_name, results, k):
-    """Markdown lines for one task: {arm: [result per seed]}."""
-    keys = metric_keys(k)
-    lines = [f"## {task_name}", "",
-             "| arm | seeds | generated tokens | steps | " + " | ".join(f"{w} {m}" for w in ("final", "best")
-                                                                     for m in keys) + " |",
-             "|---|---|---|---|" + "---|" * (2 * len(keys))]
-    for arm, runs in results.items():
-        cells = []
-        for which in ("final", "best"):
-            for m in keys:
-                mu, sd = mean_std([r["test"][which]["overall"][m] for r in runs])
-                cells.append(f"{mu:.3f} ± {sd:.3f}" if len(runs) > 1 else f"{mu:.3f}")  # one seed: no spread
-        tokens = mean_std([r["generated_tokens"] for r in runs])
-        lines.append(f"| {arm} | {len(runs)} | {tokens[0]:,.0f} | {statistics.mean(r['steps'] for r in runs):.1f} | "
-                     + " | ".join(cells) + " |")
-    base = {r["seed"]: r for r in results.get("grpo_k", [])}
-    if base:
-        lines += ["", "Paired difference against grpo_k (same seeds; mean, bootstrap 95% interval over seeds), "
-                      "final checkpoint:", "", "| arm | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
-        for arm, runs in results.items():
-            if arm in ("grpo_k", "untrained"):
-                continue
-            cells = []
-            for m in keys:
-                diffs = [r["test"]["final"]["overall"][m] - base[r["seed"]]["test"]["final"]["overall"][m]
-                         for r in runs if r["seed"] in base]
-                if len(diffs) == 1:
-                    cells.append(f"{diffs[0]:+.3f} (one seed)")
-                elif diffs:
-                    lo, hi = bootstrap_ci(diffs)
-                    cells.append(f"{statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}]")
-                else:
-                    cells.append("-")
-            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    sources = sorted({s for runs in results.values() for r in runs for s in r["test"]["final"]["by_source"]})
-    metric = keys[1] if k else "greedy"
-    lines += ["", f"Per source, final checkpoint, {metric} (mean over seeds):", "",
-              "| arm | " + " | ".join(sources) + " |", "|---|" + "---|" * len(sources)]
-    for arm, runs in results.items():
-        cells = [f"{statistics.mean(r['test']['final']['by_source'][s][metric] for r in runs):.3f}" for s in sources]
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    assigned = sum(r["templates_assigned"] for runs in results.values() for r in runs)
-    leaks = [(r["arm"], r["seed"], *leak) for runs in results.values() for r in runs for leak in r["leaks"]]
-    lines += ["", f"Leak audit: {assigned} (problem, template) assignments checked, **{len(leaks)} leaks**."]
-    lines += [f"- LEAK: {arm} seed {seed}: {pid}: {template!r}" for arm, seed, pid, template in leaks]
-    return lines + [""]
-
-
-def plot_dev(task_name, results, out_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (arm, runs) in enumerate(results.items()):
-        for j, r in enumerate(r for r in runs if r["dev"]):
-            ax.plot([d["generated_tokens"] for d in r["dev"]], [d["greedy"] for d in r["dev"]], marker=".",
-                    color=colors[i % len(colors)], alpha=0.7, label=arm if j == 0 else None)
-    ax.set_xlabel("generated tokens (rollouts + GEPA answers + reflections)")
-    ax.set_ylabel("dev greedy accuracy")
-    ax.set_title(f"{task_name}: every seed of every arm")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=90)
-    plt.close(fig)
-
-
-def write_report(out, all_results, k, command):
-    runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
-    train_h = sum(r["train_seconds"] for r in runs) / 3600
-    score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
-    unscored = sum("score_seconds" not in r for r in runs)
-    lines = ["# P²O against its baselines at equal compute", "", f"Command: `{command}`", "",
-             f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
-             f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
-    for task_name, results in all_results.items():
-        if results:
-            lines += task_report(task_name, results, k)
-            png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
-            plot_dev(task_name, results, png)
-            lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(lines))
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(all_results, f, indent=1)
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -584,17 +476,27 @@ def collect_results(out, plans):
     results = {}
     for task_name, plan in plans.items():
         results[task_name] = {}
-        for untrained in (os.path.join(out, task_name, "untrained", "result.json"),
-                          os.path.join(out, task_name, "untrained.json")):
-            if os.path.exists(untrained):
-                results[task_name]["untrained"] = [json.load(open(untrained))]
-                break
+        if os.path.exists(os.path.join(out, task_name, "untrained", "result.json")):
+            results[task_name]["untrained"] = [load_run(os.path.join(out, task_name, "untrained"))]
+        elif os.path.exists(os.path.join(out, task_name, "untrained.json")):
+            results[task_name]["untrained"] = [json.load(open(os.path.join(out, task_name, "untrained.json")))]
         for arm in plan.arms:
             for seed in plan.seeds[arm]:
-                done = os.path.join(out, task_name, arm, f"seed-{seed}", "result.json")
-                if os.path.exists(done):
-                    results[task_name].setdefault(arm, []).append(json.load(open(done)))
+                run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
+                if os.path.exists(os.path.join(run_dir, "result.json")):
+                    results[task_name].setdefault(arm, []).append(load_run(run_dir))
     return results
+
+
+def load_run(run_dir):
+    """A finished run's result.json, with its per-problem rows ("problems", report.read_problems)
+    and CRM probe ("probe") attached where it has them."""
+    result = json.load(open(os.path.join(run_dir, "result.json")))
+    result["problems"] = read_problems(os.path.join(run_dir, "problems.jsonl"))
+    probe = os.path.join(run_dir, "crm_tokens.json")
+    if os.path.exists(probe):
+        result["probe"] = json.load(open(probe))
+    return result
 
 
 def main(argv=None):
@@ -613,16 +515,16 @@ def main(argv=None):
                     help="a train.py setting for every run, e.g. --set=engine_dtype=float32 --set=autocast_bf16=False "
                          "on a CPU without bf16 (engine_dtype also sets the scoring engine's)")
     ap.add_argument("--out", default="results/compare")
-    ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 2 arms x 2 seeds")
+    ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 3 arms x 2 seeds")
     ap.add_argument("--report_only", action="store_true", help="rewrite the report from the finished runs")
     ap.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints after scoring")
     ap.add_argument("--reflector", default="", help="an OpenAI-compatible server: adds the p2o_teacher arm")
     ap.add_argument("--reflector_model", default="", help="the model name at --reflector ('' = its first)")
     args = ap.parse_args(argv)
     explicit_seeds = args.seeds is not None
-    if args.quick:  # one task, 2 arms x 2 seeds, a short epoch (1 problem per source), 2 test samples
+    if args.quick:  # one task, 3 arms x 2 seeds, a short epoch (1 problem per source), 2 test samples
         shared, backend, per_source = QUICK, "hf", 1
-        defaults = {"tasks": "fictional", "arms": "grpo_k,p2o_human", "seeds": "0,1", "k": 2, "k_templated": 2,
+        defaults = {"tasks": "fictional", "arms": "grpo_k,p2o_human,sft_gold", "seeds": "0,1", "k": 2, "k_templated": 2,
                     "budget": 300}
         explicit_seeds = True
     else:
@@ -665,7 +567,7 @@ def main(argv=None):
     given = argv if argv is not None else sys.argv[1:]  # the runs' command: --report_only only rewrote this file
     command = "python experiments/compare.py " + " ".join(a for a in given if a not in ("--report_only",
                                                                                       "--keep_checkpoints"))
-    write_report(out, collect_results(out, plans), args.k, command.strip())
+    write_report(out, collect_results(out, plans), args.k, command.strip(), args.k_templated)
     print(f"wrote {out}/report.md")
     return 0
 

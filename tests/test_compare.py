@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import compare  # noqa: E402
+import report  # noqa: E402
 
 
 def test_arm_settings_are_train_py_settings_over_the_shared_ones():
@@ -56,34 +57,44 @@ def test_repo_relative_paths_name_no_machine_folder():
     assert compare.repo_relative(0.6) == 0.6
 
 
-def test_bootstrap_interval_properties():
-    assert compare.bootstrap_ci([0.1, 0.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.1))
-    diffs = [0.0, 0.1, 0.3]
-    lo, hi = compare.bootstrap_ci(diffs)
-    assert min(diffs) <= lo <= statistics.mean(diffs) <= hi <= max(diffs)
-    assert compare.bootstrap_ci(diffs) == compare.bootstrap_ci(diffs)  # seeded
-
-
 def fake(arm, seed, greedy, leaks=()):
-    score = {"overall": {"greedy": greedy}, "by_source": {"s": {"greedy": greedy}}}
+    row = {"greedy": greedy, "avg@2": greedy / 2, "pass@2": greedy}
+    score = {"overall": row, "by_source": {"s": row}}
     return {"arm": arm, "seed": seed, "generated_tokens": 100, "steps": 3, "test": {"final": score, "best": score},
-            "templates_assigned": 2, "leaks": list(leaks), "dev": []}
+            "templates_assigned": 2, "leaks": list(leaks), "dev": [], "train_seconds": 60.0, "flops": 2e15}
 
 
 def test_report_pairs_seeds_and_states_the_leaks():
     results = {"grpo_k": [fake("grpo_k", 0, 0.2), fake("grpo_k", 1, 0.4)],
                "p2o_human": [fake("p2o_human", 1, 0.7), fake("p2o_human", 0, 0.3, [("q", "it is 5")])]}
-    text = "\n".join(compare.task_report("t", results, k=0))
-    assert "| grpo_k | 2 | 100 | 3.0 | 0.300 ± 0.141 |" in text  # mean and sample std of 0.2, 0.4
-    assert "| p2o_human | +0.200 [+0.100, +0.300] |" in text  # paired by seed: 0.3 - 0.2, 0.7 - 0.4
+    text = "\n".join(report.task_report("t", results, k=2) + report.leak_lines(results))
+    assert "| grpo_k | 2 | 3.0 | 100 | 2.0 | 1.0 | 0.150 ± 0.071 | 0.300 ± 0.141 | 0.300 ± 0.141 |" in text
+    # paired by seed: avg@2 differences 0.15 - 0.1 = +0.05 (seed 0), 0.35 - 0.2 = +0.15 (seed 1); mean +0.1,
+    # t(1 df) 12.706 x sd 0.0707 / sqrt 2 = 0.635 -> [-0.535, +0.735]; no per-problem rows: no bootstrap; 2 seeds: no p
+    assert "| p2o_human | 2 | +0.050, +0.150 | +0.100 | [-0.535, +0.735] | - | - |" in text
     assert "**1 leaks**" in text and "p2o_human seed 0: q: 'it is 5'" in text
 
 
 def test_report_with_one_seed_claims_no_spread():
     results = {"grpo_k": [fake("grpo_k", 0, 0.2)], "dapo": [fake("dapo", 0, 0.5)]}
-    text = "\n".join(compare.task_report("t", results, k=0))
-    assert "| grpo_k | 1 | 100 | 3.0 | 0.200 | 0.200 |" in text and "±" not in text
-    assert "| dapo | +0.300 (one seed) |" in text
+    text = "\n".join(report.task_report("t", results, k=2))
+    assert "| grpo_k | 1 | 3.0 | 100 | 2.0 | 1.0 | 0.100 | 0.200 | 0.200 |" in text
+    assert "± 0" not in text  # no spread from one seed
+    assert "| dapo | 1 | +0.150 | +0.150 | - | - | - |" in text
+
+
+def test_report_paired_statistics_use_the_per_problem_rows():
+    """Five seeds with per-problem rows: the bootstrap and the sign-flip p appear, computed from
+    the rows (stats.py's functions, tested there), and the per-seed differences are the rows' means."""
+    def run(arm, seed, correct):
+        rows = {("final", "heldout"): {f"p{i}": {"greedy": 0, "correct": c, "k": 4} for i, c in enumerate(correct)}}
+        return {"arm": arm, "seed": seed, "sets": {"final": {"heldout": {"overall": {"avg@4": sum(correct) / 4 / len(correct)}}}},
+                "problems": rows}
+    base = [run("grpo_k", s, [0, 0, 0, 0]) for s in range(5)]
+    arm = [run("x", s, [s % 2, 4, 0, 1]) for s in range(5)]  # +5/16 or +6/16 per seed
+    s = report.paired(arm, base, "heldout", "avg", 4)
+    assert s["diffs"] == pytest.approx([5 / 16, 6 / 16, 5 / 16, 6 / 16, 5 / 16])
+    assert s["p"] == pytest.approx(2 / 32) and s["boot"] is not None and s["t"][0] > 0
 
 
 def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
@@ -92,17 +103,35 @@ def test_quick_comparison_end_to_end_and_resumes(tmp_path, monkeypatch):
     results = json.loads((out / "results.json").read_text())["fictional"]
     untrained = results.pop("untrained")  # the starting model's scores, once per task
     assert len(untrained) == 1 and untrained[0]["steps"] == 0 and "greedy" in untrained[0]["test"]["final"]["overall"]
-    assert sorted(results) == ["grpo_k", "p2o_human"] and all(len(runs) == 2 for runs in results.values())
+    assert sorted(results) == ["grpo_k", "p2o_human", "sft_gold"] and all(len(runs) == 2 for runs in results.values())
+    sizes = {"test": 30, "heldout": 40, "heldout_templated": 40}
     for runs in results.values():
         for r in runs:
             assert r["generated_tokens"] >= r["budget"] == 300  # trained until the budget was spent
             assert {"greedy", "avg@2", "pass@2"} <= set(r["test"]["final"]["overall"])
             assert len(r["test"]["final"]["by_source"]) == 10  # the ten unit pairs
+            assert set(r["sets"]["final"]) == set(sizes) and r["flops"] > 0
+            run_dir = out / "fictional" / r["arm"] / f"seed-{r['seed']}"
+            rows = [json.loads(line) for line in (run_dir / "problems.jsonl").read_text().splitlines()]
+            assert {s: sum(x["set"] == s for x in rows) for s in sizes} == sizes
+            for name, size in sizes.items():  # the per-problem rows give back the aggregate scores
+                mine = [x for x in rows if x["set"] == name]
+                assert sum(x["correct"] / x["k"] for x in mine) / size == pytest.approx(
+                    r["sets"]["final"][name]["overall"]["avg@2"])
+            assert all(x["templated"] == (x["set"] == "heldout_templated") for x in rows)
+            probe = json.loads((run_dir / "crm_tokens.json").read_text())
+            assert "".join(t["token"] for t in probe).startswith("2 plonks")
+    # the random tiny model never answers correctly: no update has a gradient, so GRPO (K) ends with
+    # the starting weights and takes the untrained scores, said so; SFT on gold trains and is scored
+    assert all(r["scored_as"].startswith("untrained") for r in results["grpo_k"])
+    assert all(r["scored_as"] == "own" and r["counts"]["gold_tokens"] >= 300 for r in results["sft_gold"])
     human = results["p2o_human"][0]
     assert human["settings"]["seed_templates"].endswith("facts.txt")
     assert (out / "fictional" / "p2o_human" / "seed-0" / "gepa-epoch-0.json").exists()  # GEPA ran within budget
-    report = (out / "report.md").read_text()
-    assert "| grpo_k | 2 |" in report and "Leak audit" in report and (out / "fictional-dev-vs-tokens.png").exists()
+    assert human["counts"]["reflection_prefill_tokens"] > 0 and human["counts"]["gepa_dev_prefill_tokens"] > 0
+    text = (out / "report.md").read_text()
+    assert "| grpo_k | 2 |" in text and "Leak audit" in text and (out / "fictional-dev-vs-tokens.png").exists()
+    assert "heldout avg@2" in text and "CRM probe" in text
 
     # a finished run is never redone; an interrupted one (no result.json) resumes from its checkpoint
     os.remove(out / "fictional" / "grpo_k" / "seed-1" / "result.json")

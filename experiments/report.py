@@ -1,0 +1,228 @@
+"""experiments/compare.py's report: tables from the finished runs' result.json and per-problem
+problems.jsonl, the paired statistics of experiments/stats.py, and one plot per task.
+
+    python experiments/compare.py --report_only      # rewrite results/compare/report.md
+
+Every arm is paired with GRPO (K) seed by seed (same seed: same prompt order and the same test
+sampling seed). The primary statistic (docs/EVIDENCE.md, fixed before the runs) is the first
+row of PAIRED; the others are reported the same way and are secondary.
+"""
+
+import json
+import os
+import statistics
+
+import numpy as np
+
+from stats import hierarchical_bootstrap, sign_flip_p, t_interval
+
+BASELINE = "grpo_k"
+MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds it says nothing useful
+
+
+def read_problems(path):
+    """{(checkpoint, set): {problem id: row}} of a run's problems.jsonl ({} when it has none)."""
+    table = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                table.setdefault((r["checkpoint"], r["set"]), {})[r["id"]] = r
+    return table
+
+
+def problem_value(row, metric):
+    """A per-problem score: greedy (0/1), avg (correct / k) or pass (any of the k correct)."""
+    if metric == "greedy":
+        return float(row["greedy"])
+    if metric == "avg":
+        return row["correct"] / row["k"]
+    return float(row["correct"] > 0)
+
+
+def metric_name(metric, k):
+    return "greedy" if metric == "greedy" else f"{metric}@{k}"
+
+
+def overall(run, set_name, metric, k):
+    """A run's score on a set (result.json), or None when it was not scored on it."""
+    sets = run.get("sets", {}).get("final") or ({"test": run["test"]["final"]} if set_name == "test" else {})
+    return sets.get(set_name, {}).get("overall", {}).get(metric_name(metric, k))
+
+
+def paired(arm_runs, base_runs, set_name, metric, k):
+    """Paired statistics of an arm against the baseline on one (set, metric), final checkpoint:
+    {"seeds", "diffs" (per seed), "mean", "t" (low, high) or None, "boot" (low, high) or None,
+    "p" or None}. The bootstrap needs both arms' per-problem rows; the t-interval 2 seeds; p 5."""
+    base = {r["seed"]: r for r in base_runs}
+    pairs = [(r, base[r["seed"]]) for r in sorted(arm_runs, key=lambda r: r["seed"]) if r["seed"] in base]
+    diffs, a_rows, b_rows = [], [], []
+    for r, b in pairs:
+        x, y = overall(r, set_name, metric, k), overall(b, set_name, metric, k)
+        if x is None or y is None:
+            continue
+        diffs.append(x - y)
+        pa, pb = r.get("problems", {}).get(("final", set_name)), b.get("problems", {}).get(("final", set_name))
+        if pa and pb and pa.keys() == pb.keys():
+            ids = sorted(pa)
+            a_rows.append([problem_value(pa[i], metric) for i in ids])
+            b_rows.append([problem_value(pb[i], metric) for i in ids])
+    out = {"seeds": len(diffs), "diffs": diffs, "mean": statistics.mean(diffs) if diffs else None,
+           "t": None, "boot": None, "p": None}
+    if len(diffs) >= 2:
+        out["t"] = t_interval(diffs)[1:]
+    if len(a_rows) == len(diffs) >= 2:
+        out["boot"] = hierarchical_bootstrap(np.array(a_rows), np.array(b_rows))[1:]
+    if len(diffs) >= MIN_SEEDS_FOR_P:
+        out["p"] = sign_flip_p(diffs)
+    return out
+
+
+def fmt_interval(iv):
+    return "-" if iv is None else f"[{iv[0]:+.3f}, {iv[1]:+.3f}]"
+
+
+def mean_sd(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{statistics.mean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
+
+
+def columns(results, k, k_templated):
+    """The (set, metric, k) columns of a task: those its runs were scored on."""
+    scored = {s for runs in results.values() for r in runs for s in r.get("sets", {}).get("final", {"test": 0})}
+    cols = []
+    for set_name in ("heldout", "heldout_templated", "test"):
+        if set_name in scored:
+            kk = k_templated if set_name == "heldout_templated" else k
+            cols += [(set_name, m, kk) for m in ("avg", "pass", "greedy")]
+    return cols
+
+
+def task_report(task_name, results, k, k_templated=8):
+    """Markdown lines for one task: {arm: [result per seed]} (results with "problems" attached)."""
+    cols = columns(results, k, k_templated)
+    label = lambda s, m, kk: f"{s} {metric_name(m, kk)}"  # noqa: E731
+    lines = [f"## {task_name}", "", "Final checkpoint, mean ± sd over seeds; compute per run (mean).", "",
+             "| arm | seeds | steps | generated tokens | PFLOPs | train + score min | "
+             + " | ".join(label(*c) for c in cols) + " |", "|---|---|---|---|---|---|" + "---|" * len(cols)]
+    for arm, runs in results.items():
+        flops = [r["flops"] for r in runs if r.get("flops") is not None and arm != "untrained"]
+        minutes = statistics.mean((r["train_seconds"] + r.get("score_seconds", 0.0)) / 60 for r in runs)
+        cells = [mean_sd([overall(r, *c) for r in runs]) for c in cols]
+        lines.append(f"| {arm} | {len(runs) if arm != 'untrained' else '-'} | "
+                     f"{statistics.mean(r['steps'] for r in runs):.1f} | "
+                     f"{statistics.mean(r['generated_tokens'] for r in runs):,.0f} | "
+                     + (f"{statistics.mean(flops) / 1e15:.1f}" if flops else "-")
+                     + f" | {minutes:.1f} | " + " | ".join(cells) + " |")
+    base = results.get(BASELINE)
+    if not base:
+        return lines + [""]
+    primary = cols[0] if cols else ("test", "greedy", 0)
+    lines += ["", f"**Paired against {BASELINE}, {label(*primary)}** (final checkpoint; per-seed differences in "
+                  "seed order; t: Student-t 95% over seeds; bootstrap: seeds then problems, 95% percentile; p: exact "
+                  f"two-sided sign-flip, shown from {MIN_SEEDS_FOR_P} seeds):", "",
+              "| arm | seeds | per-seed differences | mean | t 95% | bootstrap 95% | p |", "|---|---|---|---|---|---|---|"]
+    others = [(arm, runs) for arm, runs in results.items() if arm not in (BASELINE, "untrained")]
+    for arm, runs in others:
+        s = paired(runs, base, *primary)
+        if not s["seeds"]:
+            continue
+        lines.append(f"| {arm} | {s['seeds']} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
+                     + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | {fmt_interval(s['boot'])} | "
+                     + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
+    secondary = cols[1:]
+    if secondary:
+        lines += ["", f"Secondary, paired against {BASELINE}: mean [t 95%]:", "",
+                  "| arm | " + " | ".join(label(*c) for c in secondary) + " |", "|---|" + "---|" * len(secondary)]
+        for arm, runs in others:
+            cells = []
+            for c in secondary:
+                s = paired(runs, base, *c)
+                cells.append("-" if not s["seeds"] else f"{s['mean']:+.3f} {fmt_interval(s['t'])}")
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def probe_report(results):
+    """The CRM probe (compare.crm_probe) of every run: the fact's token (the "3" of "13") and the
+    whole probe response under the plain prompt, mean over seeds."""
+    lines = ["CRM probe (`experiments/crm_tokens.py` on each final policy; the fact's token is the \"3\" of \"13\" in "
+             "the correct answer to \"How many snigs are in 2 plonks?\"; log-probs at T = 0.6, band log c in "
+             "[-4.61, 2.30]):", "", "| arm | runs | fact token log p(x) | its log p(x~) | its log c | masked | "
+             "response mean log p(x) |", "|---|---|---|---|---|---|---|"]
+    for arm, runs in results.items():
+        probes = [r["probe"] for r in runs if r.get("probe")]
+        if not probes:
+            continue
+        facts = [fact_token(p) for p in probes]
+        mean = lambda xs: statistics.mean(xs)  # noqa: E731
+        lines.append(f"| {arm} | {len(probes)} | {mean(f['logp_plain'] for f in facts):.2f} | "
+                     f"{mean(f['logp_templated'] for f in facts):.2f} | {mean(f['log_c'] for f in facts):.2f} | "
+                     f"{sum(f['masked'] for f in facts)} of {len(facts)} | "
+                     f"{mean(mean(t['logp_plain'] for t in p) for p in probes):.2f} |")
+    return lines + [""] if len(lines) > 4 else []
+
+
+def fact_token(rows):
+    """The probe row of the "3" that follows a "1" (the factor 13)."""
+    for prev, row in zip(rows, rows[1:]):
+        if prev["token"].strip() == "1" and row["token"].strip() == "3":
+            return row
+    raise ValueError("the probe response has no '13'")
+
+
+def leak_lines(results):
+    assigned = sum(r["templates_assigned"] for runs in results.values() for r in runs)
+    leaks = [(r["arm"], r["seed"], *leak) for runs in results.values() for r in runs for leak in r["leaks"]]
+    return [f"Leak audit: {assigned} (problem, template) assignments checked, **{len(leaks)} leaks**."] + \
+        [f"- LEAK: {arm} seed {seed}: {pid}: {template!r}" for arm, seed, pid, template in leaks] + [""]
+
+
+def plot_dev(task_name, results, out_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (arm, runs) in enumerate(results.items()):
+        for j, r in enumerate(r for r in runs if r["dev"]):
+            ax.plot([d["generated_tokens"] for d in r["dev"]], [d["greedy"] for d in r["dev"]], marker=".",
+                    color=colors[i % len(colors)], alpha=0.7, label=arm if j == 0 else None)
+    ax.set_xlabel("generated tokens (rollouts + GEPA answers + reflections)")
+    ax.set_ylabel("dev greedy accuracy")
+    ax.set_title(f"{task_name}: every seed of every arm")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(out, all_results, k, command, k_templated=8):
+    """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows)."""
+    runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
+    train_h = sum(r["train_seconds"] for r in runs) / 3600
+    score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
+    unscored = sum("score_seconds" not in r for r in runs)
+    lines = ["# P²O against its baselines at equal compute", "", f"Command: `{command}`", "",
+             f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
+             f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
+    coverage = os.path.join(out, "coverage.md")
+    if os.path.exists(coverage):
+        lines += ["Coverage of these intervals on simulated comparisons: [coverage.md](coverage.md).", ""]
+    for task_name, results in all_results.items():
+        if results:
+            lines += task_report(task_name, results, k, k_templated) + probe_report(results) + leak_lines(results)
+            png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
+            plot_dev(task_name, results, png)
+            lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+    plain = {t: {arm: [{k2: v for k2, v in r.items() if k2 not in ("problems", "probe")} for r in rs]
+                 for arm, rs in results.items()} for t, results in all_results.items()}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(plain, f, indent=1)
