@@ -79,7 +79,11 @@ def paired(arm_runs, base_runs, set_name, metric, k):
 
 
 def fmt_interval(iv):
-    return "-" if iv is None else f"[{iv[0]:+.3f}, {iv[1]:+.3f}]"
+    """An interval's cell; one of no width says that every seed (or resample) differed alike, which
+    is no claim that the mean difference is exactly that."""
+    if iv is None:
+        return "-"
+    return "no spread" if iv[1] - iv[0] < 1e-12 else f"[{iv[0]:+.3f}, {iv[1]:+.3f}]"
 
 
 def mean_sd(xs):

@@ -83,6 +83,11 @@ def test_report_with_one_seed_claims_no_spread():
     assert "| dapo | 1 | +0.150 | +0.150 | - | - | - |" in text
 
 
+def test_an_interval_without_width_is_called_so():
+    assert report.fmt_interval((0.0, 0.0)) == "no spread" and report.fmt_interval(None) == "-"
+    assert report.fmt_interval((-0.0381, 0.1333)) == "[-0.038, +0.133]"
+
+
 def test_report_paired_statistics_use_the_per_problem_rows():
     """Five seeds with per-problem rows: the bootstrap and the sign-flip p appear, computed from
     the rows (stats.py's functions, tested there), and the per-seed differences are the rows' means."""
