@@ -141,7 +141,8 @@ def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progre
     greedy = iter(engine.generate(flat, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     ks = [k for (problems, _, k) in sets for _ in problems]
     sampled_flat = [(m, k) for m, k in zip(flat, ks) if k]
-    sampled = iter(engine.generate([m for m, _ in sampled_flat], n=[k for _, k in sampled_flat],
+    counts = [k for _, k in sampled_flat]
+    sampled = iter(engine.generate([m for m, _ in sampled_flat], n=counts[0] if len(set(counts)) == 1 else counts,
                                    temperature=temperature, top_p=top_p, max_tokens=max_tokens, progress=progress,
                                    seed=seed) if sampled_flat else [])
     out = []
