@@ -246,10 +246,10 @@ def check_config(cfg, models=True):
         raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)
     pick_device(cfg.device)
-    if cfg.fixed_template and cfg.algo != "grpo":
-        raise SystemExit(f"--fixed_template needs --algo=grpo (p2o's GEPA assigns its own; sft samples nothing), "
-                         f"got --algo={cfg.algo}")
     if cfg.fixed_template:
+        if cfg.algo != "grpo":
+            raise SystemExit(f"--fixed_template needs --algo=grpo (p2o's GEPA assigns its own; sft samples nothing), "
+                             f"got --algo={cfg.algo}")
         try:
             gepa.read_seed_templates(cfg.fixed_template, cfg.max_template_chars)
         except (OSError, ValueError) as e:

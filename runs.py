@@ -516,11 +516,9 @@ def forward_tokens(rows, cfg):
     forward + backward (rows with a gradient, ppo_epochs times) and no-grad forwards (the CRM
     pass under x and x~, stored old log-probs, the reference). Counted per row, prompt +
     response: shared-prompt packing's saving is not subtracted. Summed over ranks."""
-    def tokens(rs):
-        return sum(len(r.prompt_ids) + len(r.response_ids) for r in rs)
-    trained = tokens(r for r in rows if r.advantage != 0.0 or cfg.kl_beta > 0)
-    crm = sum(len(r.tilde_prompt_ids) + len(r.response_ids) for r in rows if r.tilde_prompt_ids is not None)
-    crm += tokens(r for r in rows if r.tilde_prompt_ids is not None)
+    trained = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows if r.advantage != 0.0 or cfg.kl_beta > 0)
+    crm = sum(len(r.prompt_ids) + len(r.tilde_prompt_ids) + 2 * len(r.response_ids) for r in rows
+              if r.tilde_prompt_ids is not None)  # under x and under x~
     stored = trained * ((cfg.ppo_epochs > 1 or cfg.mini_batches > 1) + (cfg.kl_beta > 0))
     return {"train_fb_tokens": int(dist.all_sum(trained * cfg.ppo_epochs)),
             "nograd_tokens": int(dist.all_sum(crm + stored))}

@@ -462,10 +462,8 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False):
 
 def untrained_base(out, task_name, model):
     """The starting model and its scored run (untrained_result), for finish_run's equal-weights case."""
-    from model import resolve_model as resolve
-
     run_dir = os.path.join(out, task_name, "untrained")
-    path = resolve(model)
+    path = resolve_model(model)
     return {"dir": run_dir, "model": path, "params": param_count(path),
             "result": json.load(open(os.path.join(run_dir, "result.json")))}
 

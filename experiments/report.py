@@ -14,6 +14,7 @@ import statistics
 
 import numpy as np
 
+from plot import read_jsonl  # the repository root is on sys.path (compare.py puts it there)
 from stats import hierarchical_bootstrap, sign_flip_p, t_interval
 
 BASELINE = "grpo_k"
@@ -23,11 +24,8 @@ MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds
 def read_problems(path):
     """{(checkpoint, set): {problem id: row}} of a run's problems.jsonl ({} when it has none)."""
     table = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                table.setdefault((r["checkpoint"], r["set"]), {})[r["id"]] = r
+    for r in read_jsonl(path):
+        table.setdefault((r["checkpoint"], r["set"]), {})[r["id"]] = r
     return table
 
 
