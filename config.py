@@ -201,7 +201,7 @@ CHOICES = {
     "adv_norm": ("group", "none", "raw"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
     "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
     "reward": tuple(REWARDS), "reflect_prompt": gepa.REFLECT_PROMPTS, "gepa_selection": gepa.SELECTIONS,
-    "gepa_accounting": gepa.ACCOUNTINGS,
+    "gepa_accounting": gepa.ACCOUNTINGS, "packed_attention": ("auto", "flex", "dense"),
 }
 AT_LEAST = {  # setting -> smallest allowed value
     "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
@@ -210,7 +210,7 @@ AT_LEAST = {  # setting -> smallest allowed value
     "gepa_parents": 1, "gepa_minibatch": 1, "gepa_max_iterations": 1, "max_template_chars": 1,
     "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
     "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
-    "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
+    "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "head_chunk": 1, "max_bad_steps": 1,
     "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
     "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0,
 }
@@ -317,21 +317,30 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     return need
 
 
-SHARED_PROMPT_CUDA_MAX = 4096  # response tokens a packed micro-batch may hold on CUDA (micro_batch_size x max_tokens)
+SHARED_PROMPT_CUDA_MAX = 4096  # response tokens a packed micro-batch may hold on CUDA under a dense mask
 
 
-def shared_prompt_refusal(cfg, device_type):
-    """Why --shared_prompt must be off on this device, or None. The packed sequence of a
-    micro-batch (its prompt once, then up to micro_batch_size responses of up to max_tokens)
-    carries a dense [L, L] attention mask, which keeps CUDA's SDPA off its fused kernels:
-    measured on an H200 with 8 x 64-1,024-token answers, packing was 1.32x slower than rows
-    (docs/GPU.md). Past SHARED_PROMPT_CUDA_MAX response tokens it is turned off on CUDA; the
-    CPU keeps it (there it is the faster layout)."""
+def packed_layout(cfg, device_type):
+    """(shared_prompt, packed_attention) for this device, and why shared_prompt was turned off
+    (None if it was not). packed_attention auto: flex on CUDA, dense elsewhere; flex needs CUDA
+    (torch's FlexAttention has no backward on the CPU). A dense [L, L] mask keeps CUDA's SDPA
+    off its fused kernels: measured on an H200 with 8 x 64-1,024-token answers, packing under it
+    was 1.32x slower than rows (docs/GPU.md), so on CUDA it is kept only up to
+    SHARED_PROMPT_CUDA_MAX response tokens a micro-batch. The CPU keeps packing (there the dense
+    mask is the faster layout)."""
+    attention = cfg.packed_attention
+    if attention == "auto":
+        attention = "flex" if device_type == "cuda" else "dense"
+    if attention == "flex" and device_type != "cuda":
+        raise SystemExit("--packed_attention=flex needs CUDA (torch's FlexAttention has no backward on the CPU); "
+                         "use dense or auto")
     packed = cfg.micro_batch_size * cfg.max_tokens
-    if device_type == "cuda" and cfg.shared_prompt and packed > SHARED_PROMPT_CUDA_MAX:
-        return (f"a packed micro-batch would hold up to {cfg.micro_batch_size} x {cfg.max_tokens} = {packed} response "
-                f"tokens under a dense [L, L] mask, over the {SHARED_PROMPT_CUDA_MAX} allowed on CUDA (docs/GPU.md)")
-    return None
+    if device_type == "cuda" and cfg.shared_prompt and attention == "dense" and packed > SHARED_PROMPT_CUDA_MAX:
+        return False, attention, (
+            f"a packed micro-batch would hold up to {cfg.micro_batch_size} x {cfg.max_tokens} = {packed} response "
+            f"tokens under a dense [L, L] mask, over the {SHARED_PROMPT_CUDA_MAX} allowed on CUDA (docs/GPU.md); "
+            "--packed_attention=flex skips the masked tiles")
+    return cfg.shared_prompt, attention, None
 
 
 def cpu_threads(setting, cores=None, local_world=None):

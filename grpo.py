@@ -62,6 +62,67 @@ def entropy(logits, temperature=1.0):
     return -(logp.exp() * logp).sum(-1)
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """log p(target) and entropy at the LM head, `chunk` tokens at a time. Forward keeps only
+    each token's log-sum-exp; backward recomputes a chunk's logits and forms
+    d logp / d z = (onehot(target) - softmax(z)) / T there, so no [N, V] tensor ever exists."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, dtype, with_entropy):
+        out = torch.promote_types(dtype, torch.float32)  # fp32 under bf16 autocast, fp64 stays fp64
+        logp = hidden.new_empty(len(targets), dtype=out)  # [N]
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        w = weight.to(dtype)
+        for s in range(0, len(targets), chunk):
+            z = (hidden[s:s + chunk].to(dtype) @ w.T).to(out).div_(temperature)  # [c, V]
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse[s:s + chunk]
+            if with_entropy:  # H = lse - sum_v p_v z_v, the sum as a batched dot (no [c, V] product)
+                ent[s:s + chunk] = lse[s:s + chunk] - (torch.softmax(z, -1).unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        T, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
+        w = weight.to(dtype)
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        for s in range(0, len(targets), chunk):
+            h = hidden[s:s + chunk].to(dtype)
+            dz = (h @ w.T).to(lse.dtype).div_(T)  # [c, V] the logits, recomputed; then in place:
+            dz.sub_(lse[s:s + chunk, None]).exp_()  # softmax
+            g = grad_logp[s:s + chunk, None]  # [c, 1]
+            dz.mul_(-g).scatter_add_(1, targets[s:s + chunk, None], g)  # d logp / d z = onehot - softmax
+            dlogits = dz.div_(T).to(dtype)  # [c, V]
+            if need_hidden:
+                grad_hidden[s:s + chunk] = (dlogits @ w).to(hidden.dtype)
+            if need_weight:  # fp32 (fp64) sum over chunks
+                grad_weight += (dlogits.T @ h).to(grad_weight.dtype)
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def head_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024, with_entropy=False):
+    """Log-probs of `targets` under softmax(hidden @ weight.T / T) and (with_entropy, no gradient)
+    the entropy, without the [N, V] logits: `chunk` tokens at a time, recomputed in backward.
+    hidden [N, H], weight [V, H] (the LM head, no bias), targets [N] -> (logp [N], entropy [N] or
+    None), fp32 (fp64 for fp64 inputs). Under autocast the head's matmuls run in the autocast
+    dtype, as an autocast nn.Linear would. The same numbers as token_logprobs(hidden @ weight.T)
+    and entropy(...) (tests/test_grpo.py, float64), with the memory of one chunk's logits."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    with torch.autocast(device, enabled=False):
+        logp, ent = _HeadLogprobs.apply(hidden, weight, targets, float(temperature), max(int(chunk), 1), dtype,
+                                        with_entropy)
+    return logp, (ent if with_entropy else None)
+
+
 def k3_kl(logp, ref_logp):
     """k3 estimator of KL(pi || ref) per token: exp(d) - d - 1 with d = ref - logp; >= 0, 0 iff equal."""
     d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -240,28 +301,30 @@ def make_batch(prompts, responses, pad_id):
 class Packed:
     """Rows that share a prompt, packed as one sequence: the prompt once, then each response."""
     input_ids: torch.Tensor  # [S, Lp] one sequence per distinct prompt, right-padded
-    attention: torch.Tensor  # [S, 1, Lp, Lp] bool: query i sees key j (`attention_mask_for` turns it into the model's)
+    block: torch.Tensor  # [S, Lp] -1: the prompt (seen by every response), k: response k, -2: padding
     position_ids: torch.Tensor  # [S, Lp] every response continues its prompt's positions
     index: torch.Tensor  # [N] flat positions in [S * Lp] that predict the rows' response tokens
 
     def to(self, device):
-        return Packed(*(t.to(device) for t in (self.input_ids, self.attention, self.position_ids, self.index)))
+        return Packed(*(t.to(device) for t in (self.input_ids, self.block, self.position_ids, self.index)))
 
 
 def pack_rows(prompts, responses, pad_id):
     """The rows of make_batch(prompts, responses) with each distinct prompt forwarded once.
 
     Rows with the same prompt become one sequence [prompt, response_1, response_2, ...]. A
-    response token attends to the prompt and to the earlier tokens of its own response only,
-    and takes the positions it has in its own row, so every token is computed exactly as in its
-    own row. `index` lists, for the N response tokens in make_batch's order (row by row, i.e.
-    the order of response_mask[:, 1:].nonzero()), the packed position whose hidden state
-    predicts it: the prompt's last position for a first token (shared by the responses), else
-    the previous token of the same response.
+    response token attends to the prompt and to the earlier tokens of its own response only
+    (`sees`), and takes the positions it has in its own row, so every token is computed exactly
+    as in its own row. `index` lists, for the N response tokens in make_batch's order (row by
+    row, i.e. the order of response_mask[:, 1:].nonzero()), the packed position whose hidden
+    state predicts it: the prompt's last position for a first token (shared by the responses),
+    else the previous token of the same response.
 
     pack_rows([[5, 6], [5, 6], [7]], [[8, 2], [9, 9, 2], [4, 2]], pad_id=0) ->
         input_ids [[5, 6, 8, 2, 9, 9, 2],        position_ids [[0, 1, 2, 3, 2, 3, 4],
                    [7, 4, 2, 0, 0, 0, 0]]                      [0, 1, 2, 0, 0, 0, 0]]
+        block     [[-1, -1, 0, 0, 1, 1, 1],
+                   [-1, 0, 0, -2, -2, -2, -2]]
         index     [1, 2, 1, 4, 5, 7, 8]    (row 0: 1, 2; row 1: 1, 4, 5; row 2: 7 + 0, 7 + 1)
     """
     segments = {}  # prompt -> row indices, in first-seen order
@@ -271,7 +334,7 @@ def pack_rows(prompts, responses, pad_id):
     S = len(segments)
     input_ids = torch.full((S, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((S, width), dtype=torch.long)
-    block = torch.full((S, width), -1, dtype=torch.long)  # -1: prompt (seen by all), k: response k, -2: padding
+    block = torch.full((S, width), -1, dtype=torch.long)
     predictor = [None] * len(prompts)
     for s, (p, rows) in enumerate(segments.items()):
         n = len(p)
@@ -286,24 +349,36 @@ def pack_rows(prompts, responses, pad_id):
             predictor[i] = [s * width + n - 1] + [s * width + offset + j for j in range(r - 1)]
             offset += r
         block[s, offset:] = -2
-    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [Lp, Lp]
-    q, kv = block.unsqueeze(2), block.unsqueeze(1)  # [S, Lp, 1], [S, 1, Lp]
-    # padding attends like a response of its own (a query must see at least one key)
-    attention = causal & ((kv == -1) | (q == kv))  # [S, Lp, Lp]
     index = torch.tensor([j for i in range(len(prompts)) for j in predictor[i]], dtype=torch.long)
-    return Packed(input_ids, attention.unsqueeze(1), position_ids, index)
+    return Packed(input_ids, block, position_ids, index)
 
 
-PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations pack_rows' 4D mask is exact under
+def sees(block, b, q, kv):
+    """The packing rule: in sequence b, query position q attends key position kv iff kv <= q and
+    kv is the prompt (block -1) or in q's own block (padding attends like a response of its own:
+    a query must see at least one key). Indices broadcast; also FlexAttention's mask_mod."""
+    return (kv <= q) & ((block[b, kv] == -1) | (block[b, q] == block[b, kv]))
 
 
-def attention_mask_for(allowed, implementation):
-    """pack_rows' boolean [S, 1, Lp, Lp] mask as `implementation` reads a 4D attention mask.
-    transformers hands a 4D mask to the attention function unchanged: sdpa takes a boolean
-    as "True = attend", but eager attention ADDS its mask to the scores, so a boolean would add
-    1 or 0 and let every token see every other. Eager gets 0 where allowed and the float32
-    minimum elsewhere. flash-attention kernels take no 4D mask at all, flex_attention a BlockMask:
-    refused (train.py checks this before training)."""
+PACKED_FLEX = "sdpa+flex"  # model.use_packed_flex: FlexAttention for packed rows, SDPA for every other mask
+PACKED_ATTENTION = ("sdpa", "eager", PACKED_FLEX)  # attention implementations packing is exact under
+
+
+def attention_mask_for(block, implementation):
+    """pack_rows' block ids [S, Lp] as `implementation` reads an attention mask.
+    sdpa: a boolean [S, 1, Lp, Lp], True = attend. eager ADDS its mask to the scores (a boolean
+    would add 1 or 0 and let every token see every other): 0 where allowed, the float32 minimum
+    elsewhere. PACKED_FLEX: a FlexAttention BlockMask of the same rule, which lets the kernel
+    skip the blocks no query of a tile attends (responses never see each other). flash-attention
+    kernels take no such mask: refused (train.py checks this before training)."""
+    S, L = block.shape
+    if implementation == PACKED_FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(lambda b, h, q, kv: sees(block, b, q, kv), S, None, L, L, device=block.device)
+    positions = torch.arange(L, device=block.device)
+    allowed = sees(block, torch.arange(S, device=block.device)[:, None, None], positions[:, None], positions)
+    allowed = allowed.unsqueeze(1)  # [S, 1, Lp, Lp]
     if implementation == "sdpa":
         return allowed
     if implementation == "eager":

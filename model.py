@@ -164,3 +164,54 @@ def check_model(name_or_path, flag="--model"):
         raise SystemExit(f"{flag}={name_or_path}: not a local folder, not in the HF cache, and the hub cannot be "
                          f"reached ({type(e).__name__}: {e}); download it where there is network "
                          f"(huggingface-cli download {name_or_path}) or give a local folder") from None
+
+
+# ----------------------------------------------------------------------------- packed-row attention on CUDA
+
+
+def packed_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A transformers attention function (query [B, H, L, D] -> [B, L, H, D], no weights). A
+    FlexAttention BlockMask (grpo.attention_mask_for of packed rows) goes to FlexAttention, which
+    computes only the tiles some query attends: the responses of a packed sequence never see each
+    other, so most of the [L, L] square is skipped. Any other mask (plain rows, generation) goes
+    to SDPA unchanged. Compiled on CUDA (uncompiled, flex materialises the scores; the CPU has no
+    flex backward, so there it serves the exactness tests only)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("packed FlexAttention has no attention dropout")
+    out = _flex(query.device.type)(query, key, value, block_mask=attention_mask, scale=scaling,
+                                   enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+_COMPILED_FLEX = []
+
+
+def _flex(device_type):
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda":
+        return flex_attention
+    if not _COMPILED_FLEX:  # once per process (a new micro-batch length recompiles once, then shapes go dynamic)
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    return _COMPILED_FLEX[0]
+
+
+def use_packed_flex(model):
+    """Switch a loaded transformers model to grpo.PACKED_FLEX: packed rows through FlexAttention,
+    everything else through SDPA as before (its plain masks are built as SDPA's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from grpo import PACKED_FLEX
+
+    AttentionInterface.register(PACKED_FLEX, packed_flex_attention)
+    AttentionMaskInterface.register(PACKED_FLEX, sdpa_mask)
+    model.set_attn_implementation(PACKED_FLEX)
+    return model

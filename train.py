@@ -65,9 +65,9 @@ import gepa
 import grpo
 from data import PromptStream
 from eval import answer_records, summarize_records
-from model import pad_token_id, resolve_model
+from model import pad_token_id, resolve_model, use_packed_flex
 from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, dry_run_report,
-                    load_data, parse_overrides, pick_device, resolve_settings, shared_prompt_refusal)
+                    load_data, parse_overrides, pick_device, resolve_settings, packed_layout)
 from prompts import problem_messages
 from rollout import HFRollout, Sample, encode_prompt, make_reflector, make_rollout, remote_reflector
 from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
@@ -162,7 +162,9 @@ class Config:
     weight_decay: float = 0.0  # AdamW decoupled weight decay (verl: 0.01)
     grad_clip: float = 1.0  # max global grad norm
     micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
-    shared_prompt: bool = True  # forward a prompt once for all rows that share it (grpo.pack_rows; exact). Off for long answers
+    shared_prompt: bool = True  # forward a prompt once for all rows that share it (grpo.pack_rows; exact)
+    packed_attention: str = "auto"  # shared_prompt's mask: flex (FlexAttention block mask; CUDA) | dense | auto: flex on CUDA
+    head_chunk: int = 1024  # LM-head log-probs this many tokens at a time (grpo.head_logprobs): no [tokens, vocab] logits
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
@@ -255,38 +257,42 @@ def autocast(cfg, device):
     return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16)
 
 
-def selected_logits(model, input_ids, attention, loss_mask=None, position_ids=None, index=None):
-    """Logits [N, V] at the N positions that predict a response token: where loss_mask [B, L-1]
-    is set, or (packed rows, grpo.pack_rows) at the flat positions `index`. The LM head is
-    computed there only. Bound to the policy as a method that FSDP treats like forward."""
-    if attention.dim() == 4:  # packed rows: the 4D mask as this model's attention reads it
+def selected_logprobs(model, input_ids, attention, targets, temperature, chunk, with_entropy=False, loss_mask=None,
+                      position_ids=None, index=None):
+    """Log-probs (and entropy) of the N response tokens `targets`, predicted where loss_mask
+    [B, L-1] is set, or (packed rows, grpo.pack_rows: `attention` is then its block ids [S, Lp])
+    at the flat positions `index`. The LM head runs there only, `chunk` tokens at a time
+    (grpo.head_logprobs: no [N, V] logits). Bound to the policy as a method that FSDP treats
+    like forward, so the head's weight is gathered around it."""
+    if index is not None:  # packed rows: the mask as this model's attention reads it
         attention = grpo.attention_mask_for(attention, model.config._attn_implementation)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).last_hidden_state
-    selected = hidden[:, :-1][loss_mask] if index is None else hidden.flatten(0, 1)[index]
-    return model.get_output_embeddings()(selected)
+    selected = hidden[:, :-1][loss_mask] if index is None else hidden.flatten(0, 1)[index]  # [N, H]
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("an LM head with a bias is not supported (grpo.head_logprobs)")
+    return grpo.head_logprobs(selected, head.weight, targets, temperature, chunk, with_entropy)
 
 
-def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False, packed=None):
+def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False, packed=None,
+                      chunk=1024):
     """Log-probs of the response tokens, computing the LM head only where loss_mask is set.
-    input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy.
+    input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy [N] or None.
     With `packed` (grpo.pack_rows of the same rows) each shared prompt is forwarded once; the
     result is the same, laid out the same."""
-    forward = model.selected_logits if hasattr(model, "selected_logits") else functools.partial(selected_logits, model)
-    if packed is None:
-        logits = forward(input_ids, attention, loss_mask)  # [N, V]
-    else:
-        logits = forward(packed.input_ids, packed.attention, position_ids=packed.position_ids, index=packed.index)
+    forward = model.selected_logprobs if hasattr(model, "selected_logprobs") else functools.partial(selected_logprobs,
+                                                                                                     model)
     targets = input_ids[:, 1:][loss_mask]  # [N]
-    logp = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
-    logp[loss_mask] = grpo.token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature)[0]
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            ent = grpo.entropy(logits.detach(), temperature)  # [N]
+    where = dict(loss_mask=loss_mask) if packed is None else dict(position_ids=packed.position_ids, index=packed.index)
+    selected, ent = forward(input_ids if packed is None else packed.input_ids,
+                            attention if packed is None else packed.block, targets, temperature, chunk, with_entropy,
+                            **where)
+    logp = torch.zeros(loss_mask.shape, dtype=selected.dtype, device=input_ids.device)  # fp32 (fp64 models: fp64)
+    logp[loss_mask] = selected
     return logp, ent
 
 
-def row_logprobs(model, prompts, responses, pad_id, temperature, shared=False):
+def row_logprobs(model, prompts, responses, pad_id, temperature, shared=False, chunk=1024):
     """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in);
     shared: rows with the same prompt forward it once (grpo.pack_rows). No rows: one stand-in
     forward all the same (under FSDP every rank must run the same forwards), and []."""
@@ -295,7 +301,7 @@ def row_logprobs(model, prompts, responses, pad_id, temperature, shared=False):
     ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(*rows, pad_id))
     mask = response_mask[:, 1:]  # [B, L-1]
     packed = grpo.pack_rows(*rows, pad_id).to(device) if shared else None
-    logp, _ = response_logprobs(model, ids, attention, mask, temperature, packed=packed)
+    logp, _ = response_logprobs(model, ids, attention, mask, temperature, packed=packed, chunk=chunk)
     return [row[m] for row, m in zip(logp, mask)] if prompts else []
 
 
@@ -425,9 +431,11 @@ def pre_update_pass(rows, policy, reference, cfg, pad_id):
             if cfg.shared_prompt:
                 b.packed = grpo.pack_rows(prompts, responses, pad_id).to(device)
             if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:
-                b.old_logp = response_logprobs(policy, ids, attention, mask, cfg.temperature, packed=b.packed)[0]
+                b.old_logp = response_logprobs(policy, ids, attention, mask, cfg.temperature, packed=b.packed,
+                                               chunk=cfg.head_chunk)[0]
             if reference is not None:
-                b.ref_logp = response_logprobs(reference, ids, attention, mask, cfg.temperature, packed=b.packed)[0]
+                b.ref_logp = response_logprobs(reference, ids, attention, mask, cfg.temperature, packed=b.packed,
+                                               chunk=cfg.head_chunk)[0]
             batches.append(b)
     return batches
 
@@ -436,7 +444,7 @@ def micro_batch_loss(policy, b, cfg, denominators, with_entropy):
     """The training forward of one micro-batch and its share of the step loss (grpo.policy_loss)."""
     with autocast(cfg, b.input_ids.device):
         logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
-                                      b.packed)
+                                      b.packed, cfg.head_chunk)
     old_logp = b.old_logp
     if b.tilde_old is not None:  # fix_importance_ratio: a templated row's old policy is pi_old(y|x~)
         old_logp = torch.where(b.tilde_old[1], b.tilde_old[0], logp.detach() if old_logp is None else old_logp)
@@ -470,7 +478,7 @@ def prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups):
     size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
     parts, sums = [], Counter()
     old_logprobs = functools.partial(row_logprobs, policy, pad_id=pad_id, temperature=cfg.temperature,
-                                     shared=cfg.shared_prompt)
+                                     shared=cfg.shared_prompt, chunk=cfg.head_chunk)
     for lo in range(0, n_groups, size):
         part = [r for r in rows if lo <= r.group < lo + size]
         with torch.no_grad(), autocast(cfg, next(policy.parameters()).device):
@@ -606,6 +614,8 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+    if cfg.shared_prompt and cfg.packed_attention == "flex":
+        use_packed_flex(policy)
     attention = policy.config._attn_implementation
     if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
         raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
@@ -614,12 +624,14 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     policy.train()
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy.selected_logits = types.MethodType(selected_logits, policy)  # the trainer's forward
-    policy = dist.shard(policy, forward_methods=("selected_logits",))
+    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forward
+    policy = dist.shard(policy, forward_methods=("selected_logprobs",))
     reference = None
     if cfg.kl_beta > 0:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         reference.requires_grad_(False)
+        if policy.config._attn_implementation == grpo.PACKED_FLEX:
+            use_packed_flex(reference)
     if engine is None and cfg.backend == "hf":
         shared = None if dist.active() else policy  # one process: the engine shares the policy's weights
         engine = HFRollout(weights_path, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
@@ -744,8 +756,7 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    reason = shared_prompt_refusal(cfg, device.type)  # CUDA: long packed sequences are slower than rows
-    cfg.shared_prompt = cfg.shared_prompt and not reason
+    cfg.shared_prompt, cfg.packed_attention, reason = packed_layout(cfg, device.type)  # flex on CUDA
     if reason and is_main:
         print(f"--shared_prompt=False: {reason}")
     chat_kwargs = chat_template_kwargs(cfg)

@@ -11,9 +11,12 @@ step of a long-answer run: 16 prompts x K = 6 rows, prompts of 150-300 tokens, r
 
 Each setting runs 1 warm-up and --steps timed steps of `train.policy_update` (bf16 autocast,
 micro-batch --micro rows), side by side in one process:
-  shared      shared-prompt training (the default): each group's prompt forwarded once
-  unshared    --shared_prompt=False: the prompt repeated in each of the K rows
-  shared+ckpt shared, with gradient checkpointing
+  shared        shared-prompt training (the default): each group's prompt forwarded once, under
+                FlexAttention on CUDA (--packed_attention=auto), log-probs in chunks (--head_chunk)
+  unshared      --shared_prompt=False: the prompt repeated in each of the K rows
+  shared+ckpt   shared, with gradient checkpointing
+  shared-before shared as before issue 25: the dense [L, L] mask and [N, V] logits
+  unshared-before unshared with [N, V] logits
 FLOPs are counted as bench/mfu.py counts them (6 N T + head at response positions + masked
 attention pairs); the peak is the best bf16 matmul rate torch reaches on this device. Prints, per
 setting, the step time, achieved TFLOP/s, MFU and peak memory, then the ratios shared/unshared.
@@ -79,12 +82,18 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(device, small, rows, steps, shared, checkpointing, micro):
+def measure(device, small, rows, steps, micro, shared, checkpointing, before):
+    from config import packed_layout
+    from model import use_packed_flex
+
     model = make_model(small, device)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cfg = train.Config(shared_prompt=shared, micro_batch_size=micro, lr=1e-6, gradient_checkpointing=checkpointing)
+    cfg = train.Config(shared_prompt=shared, micro_batch_size=micro, lr=1e-6, gradient_checkpointing=checkpointing,
+                       packed_attention="dense" if before else "auto", head_chunk=10**9 if before else 1024)
+    if shared and packed_layout(cfg, device.type)[1] == "flex":
+        use_packed_flex(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -118,13 +127,19 @@ def main():
     peak = matmul_peak(device, 512 if args.small else 8192)
     print(f"{name}: bf16 matmul peak {peak / 1e12:.1f} TFLOP/s ({'512' if args.small else '8192'}^3, torch)")
     rows = make_rows(4000 if args.small else 151936, args.small)
-    results = {}
-    for label, shared, ckpt in [("shared", True, False), ("unshared", False, False), ("shared+ckpt", True, True)]:
-        step, flops, parts, mem = measure(device, args.small, rows, args.steps, shared, ckpt, args.micro)
-        results[label] = step
-        print(f"{label:12s} {step:7.3f} s/step  {flops / step / 1e12:7.1f} TFLOP/s  MFU {flops / step / peak:.3f}  "
+    results, memory = {}, {}
+    settings = [("shared", True, False, False), ("unshared", False, False, False), ("shared+ckpt", True, True, False),
+                ("shared-before", True, False, True), ("unshared-before", False, False, True)]
+    for label, shared, ckpt, before in settings:
+        step, flops, parts, mem = measure(device, args.small, rows, args.steps, args.micro, shared, ckpt, before)
+        results[label], memory[label] = step, mem
+        print(f"{label:15s} {step:7.3f} s/step  {flops / step / 1e12:7.1f} TFLOP/s  MFU {flops / step / peak:.3f}  "
               f"peak memory {mem:.1f} GiB  ({parts['tokens']} tokens, {flops / 1e12:.1f} TFLOP needed: the prompt once a group)")
-    print(f"ratio shared/unshared step time {results['shared'] / results['unshared']:.3f}")
+    print(f"ratio shared/unshared step time {results['shared'] / results['unshared']:.3f}  (target <= 0.6)")
+    print(f"ratio shared/shared-before step time {results['shared'] / results['shared-before']:.3f}, "
+          f"peak memory {memory['shared'] / memory['shared-before']:.3f}  (target <= 0.6)")
+    print(f"ratio unshared/unshared-before step time {results['unshared'] / results['unshared-before']:.3f}, "
+          f"peak memory {memory['unshared'] / memory['unshared-before']:.3f}")
     print(f"ratio shared+ckpt/shared step time {results['shared+ckpt'] / results['shared']:.3f}")
 
 

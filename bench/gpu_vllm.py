@@ -78,22 +78,23 @@ def random_qwen3(tokenizer_path, folder):
     return folder
 
 
-def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro):
+def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro, head_chunk=1024):
     """docs/GPU.md's estimate of the trainer's peak memory (bytes by part) for one step with
     gradient checkpointing, bf16 autocast, unshared rows, entropy logged, the rollback snapshot
     in CPU memory. N = response tokens of one micro-batch, L = its row length:
       states     16 B x parameters: fp32 weights, gradients, AdamW's two moments
       residuals  layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast)
       layer      rows x L x (3 x MLP width + 8 x hidden) x 2 B: one layer recomputed in backward
-      head       N x vocabulary x 18 B: bf16 logits (2) + log-probs kept for backward (4) + the
-                 entropy's log-probs, exp and product (3 x 4)."""
+      head       min(N, head_chunk) x vocabulary x 8 B: one chunk's fp32 logits and one fp32
+                 temporary (grpo.head_logprobs; before it, N x vocabulary x 18 B: bf16 logits,
+                 fp32 log-probs kept for backward, the entropy's log-probs, exp and product)."""
     s = SHAPES[shape]
     h, layers, width, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     attention = h * s["head_dim"] * (s["num_attention_heads"] * 2 + s["num_key_value_heads"] * 2)
     params = vocab * h + layers * (attention + 3 * h * width + 2 * h + 2 * s["head_dim"]) + h
     length, tokens = prompt_len + response_len, micro * response_len
     return {"states": 16 * params, "residuals": layers * micro * length * h * 4,
-            "layer": micro * length * (3 * width + 8 * h) * 2, "head": tokens * vocab * 18, "parameters": params}
+            "layer": micro * length * (3 * width + 8 * h) * 2, "head": min(tokens, head_chunk) * vocab * 8, "parameters": params}
 
 
 def check_versions(device):

@@ -9,7 +9,7 @@
    task's real prompts with response lengths like the default run's (uniform 8-64 tokens,
    random ids), every row trained. FLOPs counted, forward + backward = 3 x forward:
      matmuls   6 * N * T          N = non-embedding parameters, T = tokens forwarded
-     LM head   6 * V * H * R      only at the R response positions (train.selected_logits)
+     LM head   6 * V * H * R      only at the R response positions (train.selected_logprobs)
      attention 12 * L * H * P     P = (query, visible key) pairs, causal and block masks
                                   respected (what a masked kernel needs; padding excluded)
    Not counted: norms, activations, softmax, the optimizer (all memory-bound).

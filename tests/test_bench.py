@@ -4,6 +4,7 @@ session runs once is known to work end to end before that session."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ def test_gpu_vllm_check_runs_on_the_cpu(tmp_path):
 def test_memory_estimate_counts_the_models_parameters():
     """bench/gpu_vllm.estimate_peak's parameter count equals the model transformers builds at
     that shape (on the meta device: no memory), and its parts follow the formulas of its
-    docstring (docs/GPU.md): 16 B a parameter, fp32 checkpointed residuals, 18 B a head entry."""
+    docstring (docs/GPU.md): 16 B a parameter, fp32 checkpointed residuals, 8 B a head entry of one chunk."""
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -48,5 +49,16 @@ def test_memory_estimate_counts_the_models_parameters():
         assert est["states"] == 16 * count
     est = estimate_peak("4b", 1, 6, 200, 12288, 1)
     assert est["residuals"] == 36 * 12488 * 2560 * 4  # layers x L x hidden x fp32
-    assert est["head"] == 12288 * 151936 * 18
-    assert round(est["head"] / 1e9, 1) == 33.6  # the "logits + entropy near 34 GB" of a 12,288-token row
+    assert est["head"] == 1024 * 151936 * 8  # one chunk: 1.2 GB (the whole row's logits took 33.6 GB)
+    assert estimate_peak("4b", 1, 6, 200, 500, 1)["head"] == 500 * 151936 * 8  # fewer tokens than a chunk
+
+
+def test_head_bench_runs_and_agrees():
+    """bench/head_logprobs.py at a small shape: both paths run and agree (float32)."""
+    proc = subprocess.run([sys.executable, "bench/head_logprobs.py", "--tokens=40", "--vocab=300", "--hidden=16",
+                           "--chunk=7", "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("largest |chunked - full|")
+    gaps = [float(x) for x in re.findall(r"\d\.\d+e[-+]\d+", line)]
+    assert len(gaps) == 3 and max(gaps) < 1e-4, line

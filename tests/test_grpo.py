@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo import (Denominators, aggregate, entropy, group_advantages, k3_kl, make_batch, policy_loss,
+from grpo import (Denominators, aggregate, entropy, group_advantages, head_logprobs, k3_kl, make_batch, policy_loss,
                   ppo_clip_token_loss, scatter_rows, step_denominators, token_logprobs)
 
 
@@ -34,6 +34,54 @@ def test_token_logprobs_equal_negative_cross_entropy_and_entropy_is_true_entropy
         assert torch.allclose(lp, -ce.reshape(3, 5), atol=1e-6)
         p = torch.softmax(logits.double() / t, -1)
         assert torch.allclose(entropy(logits, t).double(), -(p * p.log()).sum(-1), atol=1e-5)
+
+
+def head_case(n=9, h=6, v=13, dtype=torch.float64, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=dtype).requires_grad_()
+    weight = (2 * torch.randn(v, h, generator=g, dtype=dtype)).requires_grad_()  # logits of a few nats
+    return hidden, weight, torch.randint(0, v, (n,), generator=g)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 9, 100])
+def test_head_logprobs_equal_the_full_logits_in_float64(chunk):
+    """Chunked LM-head log-probs, entropy and gradients (hidden and head weight) against the
+    [N, V] logits path in float64, for chunks that do and do not divide N."""
+    hidden, weight, targets = head_case()
+    upstream = torch.linspace(-1.0, 2.0, len(targets), dtype=torch.float64)  # any d loss / d logp
+    for t in (1.0, 0.6):
+        logp, ent = head_logprobs(hidden, weight, targets, t, chunk, with_entropy=True)
+        grads = torch.autograd.grad((logp * upstream).sum(), (hidden, weight))
+        full = torch.log_softmax(hidden @ weight.T / t, -1)  # [N, V]
+        want = full.gather(1, targets[:, None]).squeeze(1)
+        want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+        assert logp.dtype == torch.float64 and not ent.requires_grad
+        torch.testing.assert_close(logp, want, atol=1e-12, rtol=0)
+        torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=1e-12, rtol=0)
+        for got, exp in zip(grads, want_grads):
+            torch.testing.assert_close(got, exp, atol=1e-12, rtol=0)
+
+
+def test_head_logprobs_pass_gradcheck_and_take_no_tokens():
+    hidden, weight, targets = head_case(n=5, v=7)
+    assert torch.autograd.gradcheck(lambda a, b: head_logprobs(a, b, targets, 0.7, chunk=2)[0], (hidden, weight))
+    empty = head_logprobs(hidden[:0], weight, targets[:0], 1.0, 4, with_entropy=True)
+    assert empty[0].shape == empty[1].shape == (0,)
+
+
+def test_head_logprobs_under_bf16_autocast_round_like_an_autocast_linear():
+    """Under autocast the head's matmul runs in bf16 as nn.Linear's would; results are fp32 and
+    within bf16 rounding of today's path (an autocast F.linear, then token_logprobs)."""
+    hidden, weight, targets = head_case(n=12, h=16, v=50, dtype=torch.float32)
+    with torch.autocast("cpu", torch.bfloat16):
+        logp, _ = head_logprobs(hidden, weight, targets, 1.0, chunk=5)
+        logits = torch.nn.functional.linear(hidden, weight)
+    assert logits.dtype == torch.bfloat16 and logp.dtype == torch.float32
+    torch.testing.assert_close(logp, token_logprobs(logits[None], targets[None])[0], atol=1e-4, rtol=0)
+    g_chunked = torch.autograd.grad(logp.sum(), weight)[0]
+    g_today = torch.autograd.grad(token_logprobs(logits[None], targets[None]).sum(), weight)[0]
+    assert g_chunked.dtype == torch.float32
+    torch.testing.assert_close(g_chunked, g_today, atol=0.05, rtol=0.02)  # bf16 products, summed in fp32 vs bf16
 
 
 def reference_loss(logp, old, adv, eps_low, eps_high, dual):
@@ -150,14 +198,15 @@ def test_make_batch_keeps_eos_in_the_mask_even_when_pad_equals_eos():
 
 def test_pack_rows_worked_example():
     """The docstring example of grpo.pack_rows, by hand: rows 0 and 1 share [5, 6]."""
-    from grpo import pack_rows
+    from grpo import attention_mask_for, pack_rows
 
     p = pack_rows([[5, 6], [5, 6], [7]], [[8, 2], [9, 9, 2], [4, 2]], pad_id=0)
     assert p.input_ids.tolist() == [[5, 6, 8, 2, 9, 9, 2], [7, 4, 2, 0, 0, 0, 0]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4], [0, 1, 2, 0, 0, 0, 0]]
     assert p.index.tolist() == [1, 2, 1, 4, 5, 7, 8]
+    assert p.block.tolist() == [[-1, -1, 0, 0, 1, 1, 1], [-1, 0, 0, -2, -2, -2, -2]]
     # sequence 0: the prompt (0, 1) is seen by all; response 1 (4-6) never sees response 0 (2, 3)
-    assert p.attention[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0, 0],
+    assert attention_mask_for(p.block, "sdpa")[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0, 0],
                                                 [1, 1, 0, 0, 0, 0, 0],
                                                 [1, 1, 1, 0, 0, 0, 0],
                                                 [1, 1, 1, 1, 0, 0, 0],
