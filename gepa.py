@@ -643,43 +643,50 @@ def official_charge(cfg, iteration, n_parents, accepted, dev_size):
 
 
 def propose(res, iteration, parents, batches, dev, score, reflect_fn, cfg):
-    """One iteration's proposals: each parent answers its minibatch (all correct: skipped), one
-    batched reflection call, the guards, the child on the same minibatch, acceptance, and an
-    accepted child's dev evaluation; log, rejections and pool updated in res. -> children accepted."""
-    parent_scores, prompts, live = [], [], []
-    for p, mb in zip(parents, batches):
-        s, responses = score(res.pool[p], mb, "gepa_minibatch")
-        parent_scores.append(sum(s))
+    """One iteration's proposals, in three answer calls and one reflection call: every parent
+    answers its minibatch (all correct: skipped), one batched reflection call, the guards, every
+    surviving child on its parent's minibatch, acceptance, every accepted child on dev. Greedy
+    answers do not depend on what else is in a call, so this is the one-proposal-at-a-time
+    process, batched. Log, rejections and pool updated in res, in parent order. -> children accepted.
+    `score([(template, items), ...], kind)` -> [(rewards, responses), ...] answers all in one call."""
+    answered = score([(res.pool[p], mb) for p, mb in zip(parents, batches)], "gepa_minibatch")
+    parent_scores = [sum(s) for s, _ in answered]
+    prompts, live = [], []
+    for i, ((s, responses), p, mb) in enumerate(zip(answered, parents, batches)):
         if sum(s) == len(mb):
             res.log.append({"iteration": iteration, "parent": p, "outcome": "skipped_all_correct"})
             continue
         prompts.append(reflection_prompt(cfg, res.pool[p], mb, responses, s))
-        live.append(len(parent_scores) - 1)
+        live.append(i)
     outputs = reflect_fn(prompts) if prompts else []
     res.reflection_calls += len(prompts)
-    accepted = 0
+    entries, children = [], []  # per live parent: its log entry; (its index in entries, child) passing the guards
     for idx, output in zip(live, outputs):
         p, mb = parents[idx], batches[idx]
         text, finished = output or ("", False)  # None: the reflection call failed (a server reflector)
         child, reason = guard(text, finished, res.pool[p], res.pool, mb, cfg) if output else (None, "call_failed")
-        entry = {"iteration": iteration, "parent": p, "proposal": text[:2000]}
+        entries.append({"iteration": iteration, "parent": p, "proposal": text[:2000]})
         if child is None:
             res.rejections[reason] += 1
-            res.log.append({**entry, "outcome": "rejected", "reason": reason})
-            continue
-        child_score = sum(score(child, mb, "gepa_minibatch")[0])
-        if not accept_child(parent_scores[idx], child_score):
+            entries[-1].update(outcome="rejected", reason=reason)
+        else:
+            children.append((len(entries) - 1, idx, child))
+    child_scores = score([(child, batches[idx]) for _, idx, child in children], "gepa_minibatch")
+    winners = []
+    for (e, idx, child), (s, _) in zip(children, child_scores):
+        entries[e].update(template=child, minibatch=[parent_scores[idx], sum(s)])
+        if accept_child(parent_scores[idx], sum(s)):
+            winners.append((e, idx, child))
+        else:
             res.rejections["not_better"] += 1
-            res.log.append({**entry, "outcome": "rejected", "reason": "not_better", "template": child,
-                            "minibatch": [parent_scores[idx], child_score]})
-            continue
+            entries[e].update(outcome="rejected", reason="not_better")
+    for (e, idx, child), (s, _) in zip(winners, score([(child, dev) for _, _, child in winners], "gepa_dev")):
         res.pool.append(child)
-        res.parents.append(p)
-        res.scores.append([int(s) for s in score(child, dev, "gepa_dev")[0]])
-        res.log.append({**entry, "outcome": "accepted", "template": child, "index": len(res.pool) - 1,
-                        "minibatch": [parent_scores[idx], child_score], "dev_score": sum(res.scores[-1]) / len(dev)})
-        accepted += 1
-    return accepted
+        res.parents.append(parents[idx])
+        res.scores.append([int(x) for x in s])
+        entries[e].update(outcome="accepted", index=len(res.pool) - 1, dev_score=sum(res.scores[-1]) / len(dev))
+    res.log += entries
+    return len(winners)
 
 
 def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=None, seeds=()):
@@ -700,13 +707,20 @@ def run_gepa(hard, answer_fn, reflect_fn, cfg, rng, progress=None, reward_fn=Non
                      train_ids=[t.id for t in train if t.id not in {d.id for d in dev}],
                      assignment={}, chosen=[], budget=budget)
 
-    def score(template, items, kind):
-        responses = answer_fn([(template, it) for it in items], kind)
-        res.metric_calls += len(items)
-        return [reward_fn(r, it) for r, it in zip(responses, items)], responses
+    def score(jobs, kind):
+        """[(template, items)] -> [(rewards, responses)], every answer in one answer_fn call."""
+        pairs = [(template, it) for template, items in jobs for it in items]
+        if not pairs:
+            return []
+        responses = iter(answer_fn(pairs, kind))
+        res.metric_calls += len(pairs)
+        out = []
+        for _, items in jobs:
+            texts = [next(responses) for _ in items]
+            out.append(([reward_fn(r, it) for r, it in zip(texts, items)], texts))
+        return out
 
-    for template in res.pool:
-        res.scores.append([int(s) for s in score(template, dev, "gepa_dev")[0]])
+    res.scores += [[int(x) for x in s] for s, _ in score([(template, dev) for template in res.pool], "gepa_dev")]
     res.charged = 0 if official else res.metric_calls
     order, cursor = list(range(len(train))), len(train)
     for iteration in range(cfg.gepa_max_iterations):

@@ -264,6 +264,26 @@ def varied_reflect():
     return reflect
 
 
+def test_an_iteration_answers_in_at_most_three_calls():
+    """Issue 25: gepa.propose answers every parent's minibatch in one call, every child's in one,
+    every accepted child's dev set in one (the seed pool's dev answers: one call). That the batched
+    round is the one-at-a-time round: the hand-counted rounds of tests/test_gepa_official.py."""
+    calls = []
+
+    def counting(pairs, kind):
+        calls.append((kind, len({t for t, _ in pairs})))
+        return scripted_answer(pairs, kind)
+
+    cfg = train.Config(gepa_budget=120, gepa_parents=4, gepa_minibatch=3, group_size=4)
+    batched = run_gepa(make_hard(40), counting, varied_reflect(), cfg, random.Random(1))
+    iterations = sorted({e["iteration"] for e in batched.log})
+    tested = {e["iteration"] for e in batched.log if "minibatch" in e}
+    accepted = {e["iteration"] for e in batched.log if e["outcome"] == "accepted"}
+    assert len(calls) == 1 + len(iterations) + len(tested) + len(accepted)
+    assert max(n for kind, n in calls if kind == "gepa_minibatch") > 1  # several templates in one call
+    assert sum(e["outcome"] == "accepted" for e in batched.log) > len(accepted)  # some iteration accepted two
+
+
 def test_dev_cap():
     assert dev_cap(train.Config(gepa_budget=200, gepa_minibatch=3, gepa_dev_max=300)) == 97  # (200 - 6) // 2
     assert dev_cap(train.Config(gepa_budget=30, gepa_minibatch=3)) == 12

@@ -157,10 +157,12 @@ def acceptance_models(every, fence=False):
     So no parent is ever skipped as all correct and every proposal passes the guards."""
     tested, counter = set(), itertools.count(1)
 
-    def answer(pairs, kind):
-        first = pairs[0][1] if pairs else None
+    def answer(pairs, kind):  # a call may hold several templates' minibatches (gepa.propose batches them)
+        firsts = {}  # template -> its first item in this call: the first of its minibatch
+        for t, item in pairs:
+            firsts.setdefault(t, item)
         out = [f"\\boxed{{{item.answer}}}" if kind == "gepa_minibatch" and "win" in t and t not in tested
-               and item is first else "\\boxed{no}" for t, item in pairs]
+               and item is firsts[t] else "\\boxed{no}" for t, item in pairs]
         if kind == "gepa_minibatch":
             tested.update(t for t, _ in pairs)
         return out
