@@ -135,22 +135,23 @@ def answer_records(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens
 def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
                 prompt_format="default", reward="ours"):
     """answer_records for several sets [(problems, template, k)] at once -> one list of records per
-    set: the greedy answers of all sets in one engine call, all their samples in another."""
+    set, from ONE engine call: the k samples of every prompt at `temperature` first (on CUDA their
+    per-request seeds are then those of a call without the greedy requests), then every prompt's
+    greedy answer (temperature 0). One call waits for its longest answer once, not twice."""
     messages = [[problem_messages(p, template, fmt=prompt_format) for p in problems] for problems, template, _ in sets]
     flat = [m for ms in messages for m in ms]
-    greedy = iter(engine.generate(flat, n=1, temperature=0.0, max_tokens=max_tokens, progress=progress))
     ks = [k for (problems, _, k) in sets for _ in problems]
-    sampled_flat = [(m, k) for m, k in zip(flat, ks) if k]
-    counts = [k for _, k in sampled_flat]
-    sampled = iter(engine.generate([m for m, _ in sampled_flat], n=counts[0] if len(set(counts)) == 1 else counts,
-                                   temperature=temperature, top_p=top_p, max_tokens=max_tokens, progress=progress,
-                                   seed=seed) if sampled_flat else [])
-    out = []
+    sampled = [(m, k) for m, k in zip(flat, ks) if k]
+    out = engine.generate([m for m, _ in sampled] + flat, n=[k for _, k in sampled] + [1] * len(flat),
+                          temperature=[temperature] * len(sampled) + [0.0] * len(flat), top_p=top_p,
+                          max_tokens=max_tokens, progress=progress, seed=seed)
+    samples, greedy = iter(out[:len(sampled)]), iter(out[len(sampled):])
+    records = []
     for (problems, _, k), ms in zip(sets, messages):
         g = score_groups(problems, ms, [next(greedy) for _ in problems], reward)
-        s = score_groups(problems, ms, [next(sampled) for _ in problems], reward) if k else [None] * len(problems)
-        out.append([{**a, "sampled": b} for a, b in zip(g, s)])
-    return out
+        s = score_groups(problems, ms, [next(samples) for _ in problems], reward) if k else [None] * len(problems)
+        records.append([{**a, "sampled": b} for a, b in zip(g, s)])
+    return records
 
 
 def summarize_records(records, k):

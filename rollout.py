@@ -2,7 +2,8 @@
 
     engine = make_rollout("vllm", resolve_model())          # or "hf" (transformers .generate)
     groups = engine.generate([messages, "raw prompt"], n=4, temperature=0.6, max_tokens=128)
-                                                            # n may also be one count per prompt
+                                                            # n and temperature may also be lists,
+                                                            # one value per prompt (greedy: 0)
     groups[0][2]  -> Sample(prompt_ids=[1, 9690, ...], response_ids=[17, 1232, ..., 2],
                             text="2 + 3 = 5 ...", finish_reason="stop", logprobs=[-0.41, ...])
     engine.push_weights(policy.state_dict())               # verified; raises on any mismatch
@@ -67,12 +68,12 @@ class WeightPushError(RuntimeError):
     """The inference engine does not hold the weights that were pushed."""
 
 
-def _per_prompt(n, num_prompts):
-    """`n` samples for every prompt, or a list with one count per prompt."""
-    counts = [n] * num_prompts if isinstance(n, int) else list(n)
-    if len(counts) != num_prompts:
-        raise ValueError(f"{len(counts)} sample counts for {num_prompts} prompts")
-    return counts
+def _per_prompt(value, num_prompts):
+    """One value (a sample count, a temperature) for every prompt, or a list with one per prompt."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"{len(values)} values for {num_prompts} prompts")
+    return values
 
 
 def encode_prompt(tokenizer, prompt, chat_template_kwargs=None):
@@ -282,10 +283,10 @@ class VLLMRollout:
         if longest + max_tokens > self.max_model_len:
             raise ContextError(f"a prompt of {longest} tokens + max_tokens={max_tokens} does not fit the engine's context "
                                f"of {self.max_model_len} tokens (max_model_len): its answer would be cut short")
-        params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+        params = [SamplingParams(n=k, temperature=t, top_p=top_p, max_tokens=max_tokens,
                                  logprobs=0 if logprobs else None, ignore_eos=ignore_eos,
                                  stop=stop, include_stop_str_in_output=True)
-                  for k in _per_prompt(n, len(prompts))]
+                  for k, t in zip(_per_prompt(n, len(prompts)), _per_prompt(temperature, len(prompts)))]
         self.seed_requests(params, seed)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
                                     use_tqdm=progress)
@@ -404,13 +405,16 @@ class HFRollout:
         if seed is not None:  # as VLLMRollout on the CPU: ranks draw different streams
             torch.manual_seed(generator_seed(seed, self.rank))
         ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
-        counts = _per_prompt(n, len(prompts))
-        flat = [x for x, k in zip(ids, counts) for _ in range(k)]  # groups contiguous
-        samples = []
-        starts = range(0, len(flat), self.batch_size)
-        for s in tqdm(starts, desc="hf generate", disable=not progress):
-            samples += self._generate_batch(flat[s:s + self.batch_size], temperature, top_p,
-                                            max_tokens, logprobs, ignore_eos, stop)
+        counts, temperatures = _per_prompt(n, len(prompts)), _per_prompt(temperature, len(prompts))
+        flat = [(x, t) for x, k, t in zip(ids, counts, temperatures) for _ in range(k)]  # groups contiguous
+        samples = [None] * len(flat)
+        for t in dict.fromkeys(temperatures):  # one temperature a batch
+            rows = [i for i, (_, ti) in enumerate(flat) if ti == t]
+            for s in tqdm(range(0, len(rows), self.batch_size), desc="hf generate", disable=not progress):
+                batch = rows[s:s + self.batch_size]
+                for i, sample in zip(batch, self._generate_batch([flat[i][0] for i in batch], t, top_p, max_tokens,
+                                                                 logprobs, ignore_eos, stop)):
+                    samples[i] = sample
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         return [samples[o:o + k] for o, k in zip(offsets, counts)]
 

@@ -44,8 +44,10 @@ class ScriptedEngine:
         self.script = script
 
     def generate(self, prompts, n=1, temperature=1.0, **_):
+        counts = n if isinstance(n, list) else [n] * len(prompts)  # per prompt, as rollout.py's engines
+        temperatures = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
         out = []
-        for messages in prompts:
+        for messages, n, temperature in zip(prompts, counts, temperatures):
             question = messages[-1]["content"].split("\n")[0]
             texts = self.script[(question, temperature > 0)]
             assert len(texts) == n
@@ -80,7 +82,7 @@ def test_a_template_is_applied_to_every_prompt():
     class Recorder:
         def generate(self, messages, n=1, **_):
             self.seen = [m[-1]["content"] for m in messages]
-            return [[Sample([1], [2], "\\boxed{12}", "stop")] * n for _ in messages]
+            return [[Sample([1], [2], "\\boxed{12}", "stop")] * k for k in (n if isinstance(n, list) else [n] * len(messages))]
 
     engine = Recorder()
     problem = Problem("z", "How many blarps are in 2 zogs?", "14", source="fictional/zog")

@@ -65,6 +65,21 @@ def test_hf_backend_matches_vllm_greedy(vllm_engine, hf_model):
     assert hf.generate(PROMPTS[:1], n=4, temperature=1.0, max_tokens=8, seed=0)[0] == sampled
 
 
+def test_one_call_mixes_greedy_and_sampled_prompts(vllm_engine, hf_model):
+    """Per-prompt temperatures (eval.answer_sets' single call): the greedy prompts of a mixed call
+    answer exactly as in a greedy-only call, the sampled ones get their n samples; both backends."""
+    hf = HFRollout(None, model=hf_model, tokenizer=vllm_engine.tokenizer, batch_size=2)
+    for engine in (vllm_engine, hf):
+        alone = engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=16)
+        mixed = engine.generate(PROMPTS + PROMPTS, n=[3] * len(PROMPTS) + [1] * len(PROMPTS),
+                                temperature=[1.0] * len(PROMPTS) + [0.0] * len(PROMPTS), max_tokens=16, seed=1)
+        assert [len(g) for g in mixed] == [3] * len(PROMPTS) + [1] * len(PROMPTS)
+        assert [g[0].response_ids for g in mixed[len(PROMPTS):]] == [g[0].response_ids for g in alone]
+        assert len({tuple(s.response_ids) for g in mixed[:len(PROMPTS)] for s in g}) > len(PROMPTS)  # sampled
+    with pytest.raises(ValueError, match="2 values for 3 prompts"):
+        hf.generate(PROMPTS[:3], temperature=[0.0, 1.0])
+
+
 def test_push_changes_outputs_and_restores_them_exactly(vllm_engine, hf_model):
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     before = vllm_engine.generate(PROMPTS, n=1, temperature=0, max_tokens=24, logprobs=True)
@@ -343,6 +358,8 @@ def test_cuda_requests_carry_their_own_seeds(tiny_model):
         engine.generate(["a"], n=4)
         assert engine.llm.params[0].seed is None
     assert seeds[0, 7] != seeds[1, 7] and seeds[0, 7] != seeds[0, 8]
+    engine.generate(["a", "b"], n=[2, 1], temperature=[0.6, 0.0], seed=7)  # per-prompt temperatures
+    assert [(p.n, p.temperature) for p in engine.llm.params] == [(2, 0.6), (1, 0.0)]
 
 
 def test_request_seed_ranges_of_different_calls_do_not_overlap():

@@ -32,8 +32,9 @@ class ScriptedEngine:
 
     def generate(self, prompts, n=1, temperature=1.0, max_tokens=8, stop=None, **_):
         counts = [n] * len(prompts) if isinstance(n, int) else n
+        temperatures = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
         groups = []
-        for prompt, k in zip(prompts, counts):
+        for prompt, k, temperature in zip(prompts, counts, temperatures):
             text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
             ids = encode_prompt(self.tokenizer, prompt)
             group = []
