@@ -9,15 +9,14 @@ of a weighted sum into the hidden states and the head's weight. Settings, in one
   chunked  grpo.head_logprobs(..., chunk=--chunk): no [N, V] tensor
 Time: median of --repeats, the settings interleaved. Peak memory: on CUDA the allocator's peak
 above the inputs; on the CPU each setting runs once more in a fresh process and reports its
-resident-set high-water mark above the inputs'. Prints both and the ratios chunked/full, and
+resident-set high-water mark (VmHWM) above the inputs'. Prints both and the ratios chunked/full, and
 the largest difference of log-probs and gradients (float32, same inputs).
 """
 
 import argparse
-import multiprocessing
 import os
-import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -57,24 +56,22 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def peak_in_fresh_process(setting, args, queue):
-    """CPU: the resident-set high-water mark this setting adds above its inputs (KiB -> bytes)."""
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    data = inputs(args, torch.device("cpu"))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step(setting, *data, args.chunk)
-    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+def peak_rss():
+    """This process's resident-set high-water mark in bytes: VmHWM (ru_maxrss would start from the
+    parent's peak: Linux carries it over fork and exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def cpu_peaks(args):
-    ctx = multiprocessing.get_context("spawn")
+    """CPU: each setting once more in a fresh process (this script with --peak_of), which reports
+    the resident-set high-water mark it added above its inputs."""
     peaks = {}
     for setting in ("full", "chunked"):
-        queue = ctx.Queue()
-        child = ctx.Process(target=peak_in_fresh_process, args=(setting, args, queue))
-        child.start()
-        peaks[setting] = queue.get()
-        child.join()
+        flags = [f"--{k}={v}" for k, v in vars(args).items() if k != "peak_of"]
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, f"--peak_of={setting}"],
+                             capture_output=True, text=True, check=True).stdout
+        peaks[setting] = int(out.split()[-1])
     return peaks
 
 
@@ -87,11 +84,17 @@ def main():
     ap.add_argument("--chunk", type=int, default=256, help="tokens per chunk (train.py --head_chunk)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--peak_of", default="", help=argparse.SUPPRESS)  # internal: one setting's CPU peak
     args = ap.parse_args()
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     data = inputs(args, device)
+    if args.peak_of:
+        before = peak_rss()
+        step(args.peak_of, *data, args.chunk)
+        print(peak_rss() - before)
+        return
     print(f"N = {args.tokens} tokens, H = {args.hidden}, V = {args.vocab}, chunk = {args.chunk}, {device}, float32")
     outputs, times = {}, {"full": [], "chunked": []}
     peaks = {}
