@@ -67,7 +67,7 @@ from data import PromptStream
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model, use_packed_flex
 from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, dry_run_report,
-                    load_data, parse_overrides, pick_device, resolve_settings, packed_layout)
+                    load_data, packed_layout, parse_overrides, pick_device, resolve_settings)
 from prompts import problem_messages
 from rollout import HFRollout, Sample, encode_prompt, make_reflector, make_rollout, remote_reflector
 from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
