@@ -806,6 +806,7 @@ def test_default_keeps_two_checkpoints_and_exports_are_bf16_model_folders_with_t
 # ----------------------------------------------------------------------------- issue 20: latent bugs, config, resume
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # expected on the CPU
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", train.grpo.PACKED_FLEX])
 def test_shared_prompt_packing_is_exact_under_each_supported_attention(tiny_model, implementation):
     """Bug: pack_rows' boolean 4D mask went to eager attention unchanged, which ADDS it to the
