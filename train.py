@@ -614,7 +614,7 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
-    if cfg.shared_prompt and cfg.packed_attention == "flex":
+    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
         use_packed_flex(policy)
     attention = policy.config._attn_implementation
     if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
@@ -756,7 +756,8 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    cfg.shared_prompt, cfg.packed_attention, reason = packed_layout(cfg, device.type)  # flex on CUDA
+    # packed_attention stays as given (auto: a resume on another device chooses again; load_models asks)
+    cfg.shared_prompt, _, reason = packed_layout(cfg, device.type)
     if reason and is_main:
         print(f"--shared_prompt=False: {reason}")
     chat_kwargs = chat_template_kwargs(cfg)

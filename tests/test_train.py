@@ -801,6 +801,7 @@ def test_default_keeps_two_checkpoints_and_exports_are_bf16_model_folders_with_t
     for folder in ("export-000002", "ckpt-000005"):
         saved = json.loads((run / folder / "train_config.json").read_text())
         assert saved["chat_template_kwargs"] == '{"x": 1}' and saved["export_every"] == 2
+        assert saved["packed_attention"] == "auto"  # as given: a resume on a GPU chooses flex there
 
 
 # ----------------------------------------------------------------------------- issue 20: latent bugs, config, resume
