@@ -343,6 +343,45 @@ def packed_layout(cfg, device_type):
     return cfg.shared_prompt, attention, None
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX, Arm BF16 (Linux's names)
+
+
+def bf16_is_emulated(device_type, cpuinfo="/proc/cpuinfo"):
+    """True on a CPU without bf16 instructions (none of BF16_CPU_FLAGS in Linux's /proc/cpuinfo).
+    There torch's and vLLM's bf16 kernels convert to fp32 and back: generation was 8x slower than
+    in fp32 on a 2-core AMD EPYC (docs/TRAINING.md). False on CUDA and where the flags cannot be
+    read (macOS, Windows): the settings then stay as given."""
+    if device_type != "cpu":
+        return False
+    try:
+        with open(cpuinfo) as f:
+            words = set(f.read().split())
+    except OSError:
+        return False
+    return not words & set(BF16_CPU_FLAGS)
+
+
+def default_engine_dtype(device_type):
+    """An engine's dtype where none was given (eval.py, compare.py's scorer): bfloat16, or float32
+    where bf16 is emulated (bf16_is_emulated)."""
+    return "float32" if bf16_is_emulated(device_type) else "bfloat16"
+
+
+def cpu_precision(cfg, device_type, emulated=None):
+    """(engine_dtype, autocast_bf16, note or None). With cpu_fp32_fallback, where bf16 is emulated
+    (bf16_is_emulated; `emulated` overrides the check) a bfloat16 engine becomes float32 and the
+    training forward leaves bf16 autocast; the note says so. Anywhere else: the settings as given."""
+    if emulated is None:
+        emulated = bf16_is_emulated(device_type)
+    uses_bf16 = cfg.engine_dtype == "bfloat16" or cfg.autocast_bf16
+    if not (cfg.cpu_fp32_fallback and uses_bf16 and emulated and device_type == "cpu"):
+        return cfg.engine_dtype, cfg.autocast_bf16, None
+    engine = "float32" if cfg.engine_dtype == "bfloat16" else cfg.engine_dtype
+    return engine, False, (f"this CPU has no bf16 instructions (AVX512-BF16, AMX), where bf16 is emulated and "
+                           f"several times slower: --engine_dtype={engine} --autocast_bf16=False "
+                           "(--cpu_fp32_fallback=False keeps bf16)")
+
+
 def cpu_threads(setting, cores=None, local_world=None):
     """torch's CPU threads for a GPU process: `setting` when > 0, else this process's cores
     (its CPU affinity) shared among the node's processes (LOCAL_WORLD_SIZE, set by torchrun).

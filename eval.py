@@ -33,7 +33,7 @@ from collections import defaultdict
 import torch
 
 import dist
-from config import chat_template_kwargs
+from config import chat_template_kwargs, default_engine_dtype
 from data import DataError, load_jsonl
 from gepa import read_seed_templates
 from model import check_model, resolve_model
@@ -238,7 +238,8 @@ def parse_args(argv):
     ap.add_argument("--reward", default=None, choices=tuple(CHECKS), help="the reward rule, as train.py's"
                     + inherited("reward"))
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="", help="the engine's weights: bfloat16 | float16 | float32 | auto; "
+                    "default bfloat16, float32 on a CPU without bf16 instructions (emulated bf16 is several times slower)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--template", default="", help="a template applied to every problem: TEXT, or @PATH (the "
                     "file's first template, one per line as train.py's --seed_templates)")
@@ -286,7 +287,8 @@ def make_engine(args, benchmarks, template, chat_kwargs, rank):
         options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager, progress_bars=args.verbose,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_model_len=eval_context(model_path, every_problem, args, template, chat_kwargs))
-    return make_rollout(args.backend, model_path, dtype=args.dtype, seed=args.seed, **options)
+    dtype = args.dtype or default_engine_dtype("cuda" if torch.cuda.is_available() else "cpu")
+    return make_rollout(args.backend, model_path, dtype=dtype, seed=args.seed, **options)
 
 
 def main(argv=None):

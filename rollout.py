@@ -650,4 +650,5 @@ def make_reflector(cfg, engine, model_path, weights, counts):
         return EngineReflector(engine, **settings)
     from model import resolve_model
 
-    return EngineReflector(make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector)), **settings)
+    dtype = {"dtype": cfg.engine_dtype} if cfg.reflector_backend == "vllm" else {}  # as the training engine
+    return EngineReflector(make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector), **dtype), **settings)

@@ -66,8 +66,8 @@ import grpo
 from data import PromptStream
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model, use_packed_flex
-from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_threads, dry_run_report,
-                    load_data, packed_layout, parse_overrides, pick_device, resolve_settings)
+from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_precision, cpu_threads,
+                    dry_run_report, load_data, packed_layout, parse_overrides, pick_device, resolve_settings)
 from prompts import problem_messages
 from rollout import HFRollout, Sample, encode_prompt, make_reflector, make_rollout, remote_reflector
 from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
@@ -166,6 +166,7 @@ class Config:
     packed_attention: str = "auto"  # shared_prompt's mask: flex (FlexAttention block mask; CUDA) | dense | auto: flex on CUDA
     head_chunk: int = 1024  # LM-head log-probs this many tokens at a time (grpo.head_logprobs): no [tokens, vocab] logits
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
+    cpu_fp32_fallback: bool = True  # a CPU without bf16 instructions (no AVX512-BF16/AMX): fp32 engine and forward
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
     # ---- schedule and outputs
@@ -760,6 +761,9 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     cfg.shared_prompt, _, reason = packed_layout(cfg, device.type)
     if reason and is_main:
         print(f"--shared_prompt=False: {reason}")
+    cfg.engine_dtype, cfg.autocast_bf16, note = cpu_precision(cfg, device.type)  # saved so: a resume keeps it
+    if note and is_main:
+        print(note)
     chat_kwargs = chat_template_kwargs(cfg)
     policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
                                                        train_set + dev_set, chat_kwargs)

@@ -203,22 +203,26 @@ def add_train_seconds(run_dir, seconds):
 class Scorer:
     """Test scores of checkpoints with one engine, loaded once and pushed each checkpoint's weights.
     A checkpoint's sets [(name, problems, template, k)] are answered together (eval.answer_sets:
-    one engine call for the greedy answers, one for the samples); the sampling seed is the same
+    one engine call for the greedy answers and the samples); the sampling seed is the same
     for every checkpoint, so arms are compared on common random numbers."""
 
-    def __init__(self, backend, temperature, max_tokens, dtype="bfloat16"):
+    def __init__(self, backend, temperature, max_tokens, dtype=""):  # "": config.default_engine_dtype
         self.backend, self.temperature, self.max_tokens, self.dtype, self.engine = backend, temperature, max_tokens, \
             dtype, None
 
     def __call__(self, checkpoint, sets, seed=0):
         """-> {set name: {"overall", "by_source"}}, [per-problem row] (problem_rows)."""
+        import torch
         from safetensors.torch import load_file
 
+        from config import default_engine_dtype
         from eval import answer_sets
         from rollout import make_rollout
 
         if self.engine is None:
-            self.engine = make_rollout(self.backend, checkpoint, seed=seed, dtype=self.dtype)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.engine = make_rollout(self.backend, checkpoint, seed=seed,
+                                       dtype=self.dtype or default_engine_dtype(device))
         else:
             self.engine.push_weights(load_file(os.path.join(checkpoint, "model.safetensors")))
         answered = answer_sets(self.engine, [(problems, template, k) for _, problems, template, k in sets],
@@ -541,7 +545,7 @@ def main(argv=None):
     if os.path.exists(model):  # a local folder named from this shell's folder; train.py runs in the repo's
         model = os.path.abspath(model)
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    scorer = Scorer(backend, args.temperature, shared["max_tokens"], extra.get("engine_dtype", "bfloat16"))
+    scorer = Scorer(backend, args.temperature, shared["max_tokens"], extra.get("engine_dtype", ""))
     plans = {}
     for task_name in args.tasks.split(","):
         task = TASKS[task_name]

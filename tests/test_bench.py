@@ -62,3 +62,15 @@ def test_head_bench_runs_and_agrees():
     assert line.startswith("largest |chunked - full|")
     gaps = [float(x) for x in re.findall(r"\d\.\d+e[-+]\d+", line)]
     assert len(gaps) == 3 and max(gaps) < 1e-4, line
+
+
+def test_precision_bench_runs_small():
+    """bench/cpu_precision.py at a small size: both dtypes generate the same number of tokens
+    (EOS ignored) and the two ratio lines are printed."""
+    proc = subprocess.run([sys.executable, "bench/cpu_precision.py", "--rounds=1", "--prompts=2", "--n=1",
+                           "--new_tokens=4", "--rows=1", "--tokens=8"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("(8 tokens)") == 2, out  # 2 prompts x 1 sample x 4 tokens: bf16 and fp32
+    assert re.search(r"generate: bf16 .* ratio fp32/bf16 \d+\.\d{3}", out) and re.search(r"train   : .* ratio", out)

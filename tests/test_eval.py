@@ -278,3 +278,17 @@ def test_the_reward_rule_is_inherited_and_scores_the_answers(tmp_path):
     ours = [r["rewards"][0] for r in answer_records(Answers(), problems, progress=False)]
     official = [r["rewards"][0] for r in answer_records(Answers(), problems, progress=False, reward="official")]
     assert ours == [1.0, 0.0] and official == [0.0, 1.0]
+
+
+def test_the_engine_dtype_defaults_to_fp32_where_bf16_is_emulated(monkeypatch):
+    import config
+
+    made = []
+    monkeypatch.setattr(evaluation, "make_rollout", lambda backend, path, dtype, **_: made.append(dtype))
+    monkeypatch.setattr(evaluation, "resolve_model", lambda name: name)
+    for emulated in (True, False):
+        monkeypatch.setattr(config, "bf16_is_emulated", lambda device_type, e=emulated: e)
+        for flag in ([], ["--dtype=bfloat16"]):
+            args = evaluation.parse_args(["--model=m", "--backend=hf", *flag])
+            evaluation.make_engine(args, {}, "", {}, 0)
+    assert made == ["float32", "bfloat16", "bfloat16", "bfloat16"]  # a given --dtype stays

@@ -436,6 +436,50 @@ def test_cpu_threads_share_the_cores_among_the_nodes_processes():
     assert cpu_threads(3, cores=64, local_world=8) == 3  # --cpu_threads wins
 
 
+def test_bf16_is_emulated_reads_the_cpu_flags(tmp_path):
+    from config import bf16_is_emulated
+
+    def cpuinfo(flags):
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 {flags}\n\n")
+        return str(path)
+
+    assert bf16_is_emulated("cpu", cpuinfo("avx512f"))  # AVX-512 without its bf16 extension: emulated
+    assert not bf16_is_emulated("cpu", cpuinfo("avx512f avx512_bf16"))
+    assert not bf16_is_emulated("cpu", cpuinfo("amx_tile amx_bf16"))
+    assert not bf16_is_emulated("cpu", cpuinfo("bf16"))  # Arm's name
+    assert bf16_is_emulated("cpu", cpuinfo("avx512_bf16_extra"))  # whole words only
+    assert not bf16_is_emulated("cpu", str(tmp_path / "missing"))  # unknown: the settings stay as given
+    assert not bf16_is_emulated("cuda", cpuinfo(""))
+
+
+def test_cpu_fp32_fallback_turns_bf16_into_fp32_only_where_bf16_is_emulated():
+    from config import cpu_precision
+
+    default = Config()
+    assert (default.engine_dtype, default.autocast_bf16, default.cpu_fp32_fallback) == ("bfloat16", True, True)
+    engine, autocast, note = cpu_precision(default, "cpu", emulated=True)
+    assert (engine, autocast) == ("float32", False) and "--cpu_fp32_fallback=False" in note
+    assert cpu_precision(default, "cpu", emulated=False) == ("bfloat16", True, None)
+    assert cpu_precision(default, "cuda", emulated=True) == ("bfloat16", True, None)
+    assert cpu_precision(Config(cpu_fp32_fallback=False), "cpu", emulated=True) == ("bfloat16", True, None)
+    assert cpu_precision(Config(engine_dtype="float16"), "cpu", emulated=True)[:2] == ("float16", False)
+    assert cpu_precision(Config(autocast_bf16=False), "cpu", emulated=True)[:2] == ("float32", False)
+    assert cpu_precision(Config(engine_dtype="float32", autocast_bf16=False), "cpu", emulated=True)[2] is None
+
+
+def test_a_run_on_a_cpu_that_emulates_bf16_trains_and_saves_fp32(tiny_model, tmp_path, monkeypatch, capsys):
+    import config
+
+    monkeypatch.setattr(config, "bf16_is_emulated", lambda device_type: device_type == "cpu")
+    cfg = tiny_config(tiny_model, tmp_path, train_data=small_data(tmp_path), max_steps=1, save_every=1,
+                      autocast_bf16=True, device="cpu")
+    train.train(cfg, reward_fn=parity_reward)
+    assert "this CPU has no bf16 instructions" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "t" / "latest" / "train_config.json").read_text())
+    assert (saved["engine_dtype"], saved["autocast_bf16"]) == ("float32", False)  # a resume keeps the precision
+
+
 def test_kept_denominator_loss_is_logged_once_per_step_not_compounded(tiny_model):
     """Finding: with crm_denominator=kept and ppo_epochs > 1 the logged loss was divided by the
     kept count once per epoch. With lr = 0 both epochs see the same weights, so the logged loss is
