@@ -239,7 +239,7 @@ def parse_args(argv):
                     + inherited("reward"))
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--dtype", default="", help="the engine's weights: bfloat16 | float16 | float32 | auto; "
-                    "default bfloat16, float32 on a CPU without bf16 instructions (emulated bf16 is several times slower)")
+                    "default bfloat16, float32 on a CPU without bf16 instructions (emulated bf16: slower)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--template", default="", help="a template applied to every problem: TEXT, or @PATH (the "
                     "file's first template, one per line as train.py's --seed_templates)")
