@@ -741,6 +741,13 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     if saved and saved.get("world", 1) != world:
         raise SystemExit(f"{resume_path} was written by {saved.get('world', 1)} processes; resume with as many "
                          f"(now {world}): the optimizer state is sharded by process")
+    # packed_attention stays as given (auto: a resume on another device chooses again; load_models asks)
+    cfg.shared_prompt, _, reason = packed_layout(cfg, device.type)
+    cfg.engine_dtype, cfg.autocast_bf16, note = cpu_precision(cfg, device.type)  # saved so: a resume keeps it
+    if is_main and reason:
+        print(f"--shared_prompt=False: {reason}")
+    if is_main and note:
+        print(note)
     cfg.run_name = cfg.run_name or dist.broadcast_object(f"{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if is_main:
@@ -757,13 +764,6 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     model_path = resolve_model(cfg.model)
     if device.type == "cuda":  # fp32 master weights: let the fp32 matmuls outside autocast use TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    # packed_attention stays as given (auto: a resume on another device chooses again; load_models asks)
-    cfg.shared_prompt, _, reason = packed_layout(cfg, device.type)
-    if reason and is_main:
-        print(f"--shared_prompt=False: {reason}")
-    cfg.engine_dtype, cfg.autocast_bf16, note = cpu_precision(cfg, device.type)  # saved so: a resume keeps it
-    if note and is_main:
-        print(note)
     chat_kwargs = chat_template_kwargs(cfg)
     policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
                                                        train_set + dev_set, chat_kwargs)
