@@ -87,7 +87,8 @@ def compare_loops(tmp, model, device):
     with open(data["dev"], "w") as f:
         f.writelines(json.dumps({**r, "id": "d" + r["id"]}) + "\n" for r in rows[:4])
     cpu = launch(tmp, "cpu", child_config(model, data, "", "cpu"))
-    cpu_bf16 = launch(tmp, "cpu_bf16", child_config(model, data, "", "cpu", autocast_bf16=True))
+    cpu_bf16 = launch(tmp, "cpu_bf16", child_config(model, data, "", "cpu", autocast_bf16=True,
+                                                    cpu_fp32_fallback=False))  # the bf16 floor, emulated or not
     dev = launch(tmp, "dev", child_config(model, data, "", device))
     resumed = launch(tmp, "resumed", child_config(model, data, "", device,
                                                   resume=os.path.join(dev, "run", "ckpt-000002")))

@@ -48,7 +48,8 @@ def run_ours(args):
                            micro_batch_size=args.micro_batch, lr=args.lr, warmup_steps=1, dev_data="",
                            eval_every=0, save_every=0, max_steps=args.steps + 1, out_dir=out,
                            run_name="bench", seed=args.seed, temperature=args.temperature,
-                           gradient_checkpointing=args.gradient_checkpointing)
+                           gradient_checkpointing=args.gradient_checkpointing,
+                           cpu_fp32_fallback=False)  # bf16 as TRL's, even where the CPU emulates it
         train.train(cfg)
         with open(os.path.join(out, "bench", "metrics.jsonl")) as f:
             metrics = [json.loads(line) for line in f]
