@@ -361,10 +361,10 @@ def bf16_is_emulated(device_type, cpuinfo="/proc/cpuinfo"):
     return not words & set(BF16_CPU_FLAGS)
 
 
-def default_engine_dtype(device_type):
-    """An engine's dtype where none was given (eval.py, compare.py's scorer): bfloat16, or float32
-    where bf16 is emulated (bf16_is_emulated)."""
-    return "float32" if bf16_is_emulated(device_type) else "bfloat16"
+def default_engine_dtype():
+    """An engine's dtype where none was given (eval.py, compare.py's scorer: the engine runs on
+    CUDA when there is one): bfloat16, or float32 where bf16 is emulated (bf16_is_emulated)."""
+    return "float32" if bf16_is_emulated(pick_device("auto").type) else "bfloat16"
 
 
 def cpu_precision(cfg, device_type, emulated=None):

@@ -287,8 +287,8 @@ def make_engine(args, benchmarks, template, chat_kwargs, rank):
         options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager, progress_bars=args.verbose,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_model_len=eval_context(model_path, every_problem, args, template, chat_kwargs))
-    dtype = args.dtype or default_engine_dtype("cuda" if torch.cuda.is_available() else "cpu")
-    return make_rollout(args.backend, model_path, dtype=dtype, seed=args.seed, **options)
+    return make_rollout(args.backend, model_path, dtype=args.dtype or default_engine_dtype(), seed=args.seed,
+                        **options)
 
 
 def main(argv=None):

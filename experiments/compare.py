@@ -212,7 +212,6 @@ class Scorer:
 
     def __call__(self, checkpoint, sets, seed=0):
         """-> {set name: {"overall", "by_source"}}, [per-problem row] (problem_rows)."""
-        import torch
         from safetensors.torch import load_file
 
         from config import default_engine_dtype
@@ -220,9 +219,7 @@ class Scorer:
         from rollout import make_rollout
 
         if self.engine is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.engine = make_rollout(self.backend, checkpoint, seed=seed,
-                                       dtype=self.dtype or default_engine_dtype(device))
+            self.engine = make_rollout(self.backend, checkpoint, seed=seed, dtype=self.dtype or default_engine_dtype())
         else:
             self.engine.push_weights(load_file(os.path.join(checkpoint, "model.safetensors")))
         answered = answer_sets(self.engine, [(problems, template, k) for _, problems, template, k in sets],
