@@ -107,7 +107,7 @@ def task_report(task_name, results, k, k_templated=8):
     cols = columns(results, k, k_templated)
     label = lambda s, m, kk: f"{s} {metric_name(m, kk)}"  # noqa: E731
     lines = [f"## {task_name}", "", "Final checkpoint, mean ± sd over seeds; compute per run (mean).", "",
-             "| arm | seeds | steps | generated tokens | PFLOPs | train + score min | "
+             "| arm | seeds | steps | generated tokens | TFLOPs | train + score min | "
              + " | ".join(label(*c) for c in cols) + " |", "|---|---|---|---|---|---|" + "---|" * len(cols)]
     for arm, runs in results.items():
         flops = [r["flops"] for r in runs if r.get("flops") is not None and arm != "untrained"]
@@ -116,7 +116,7 @@ def task_report(task_name, results, k, k_templated=8):
         lines.append(f"| {arm} | {len(runs) if arm != 'untrained' else '-'} | "
                      f"{statistics.mean(r['steps'] for r in runs):.1f} | "
                      f"{statistics.mean(r['generated_tokens'] for r in runs):,.0f} | "
-                     + (f"{statistics.mean(flops) / 1e15:.1f}" if flops else "-")
+                     + (f"{statistics.mean(flops) / 1e12:,.0f}" if flops else "-")
                      + f" | {minutes:.1f} | " + " | ".join(cells) + " |")
     base = results.get(BASELINE)
     if not base:

@@ -68,7 +68,7 @@ def test_report_pairs_seeds_and_states_the_leaks():
     results = {"grpo_k": [fake("grpo_k", 0, 0.2), fake("grpo_k", 1, 0.4)],
                "p2o_human": [fake("p2o_human", 1, 0.7), fake("p2o_human", 0, 0.3, [("q", "it is 5")])]}
     text = "\n".join(report.task_report("t", results, k=2) + report.leak_lines(results))
-    assert "| grpo_k | 2 | 3.0 | 100 | 2.0 | 1.0 | 0.150 ± 0.071 | 0.300 ± 0.141 | 0.300 ± 0.141 |" in text
+    assert "| grpo_k | 2 | 3.0 | 100 | 2,000 | 1.0 | 0.150 ± 0.071 | 0.300 ± 0.141 | 0.300 ± 0.141 |" in text
     # paired by seed: avg@2 differences 0.15 - 0.1 = +0.05 (seed 0), 0.35 - 0.2 = +0.15 (seed 1); mean +0.1,
     # t(1 df) 12.706 x sd 0.0707 / sqrt 2 = 0.635 -> [-0.535, +0.735]; no per-problem rows: no bootstrap; 2 seeds: no p
     assert "| p2o_human | 2 | +0.050, +0.150 | +0.100 | [-0.535, +0.735] | - | - |" in text
@@ -78,7 +78,7 @@ def test_report_pairs_seeds_and_states_the_leaks():
 def test_report_with_one_seed_claims_no_spread():
     results = {"grpo_k": [fake("grpo_k", 0, 0.2)], "dapo": [fake("dapo", 0, 0.5)]}
     text = "\n".join(report.task_report("t", results, k=2))
-    assert "| grpo_k | 1 | 3.0 | 100 | 2.0 | 1.0 | 0.100 | 0.200 | 0.200 |" in text
+    assert "| grpo_k | 1 | 3.0 | 100 | 2,000 | 1.0 | 0.100 | 0.200 | 0.200 |" in text
     assert "± 0" not in text  # no spread from one seed
     assert "| dapo | 1 | +0.150 | +0.150 | - | - | - |" in text
 
