@@ -11,8 +11,9 @@ shared settings (TASKS). Compute matching: every arm runs until it has generated
 number of tokens (train.py --max_gen_tokens: training rollouts + GEPA answers + reflections;
 dev evaluations are not counted), so an arm that spends less per epoch trains longer; the
 report gives each run's actual spend. Every run is then scored on the task's test split, which
-no arm trains, mines or runs GEPA on: greedy, avg@k and pass@k, overall and per source, from
-its final and from its best-dev checkpoint.
+no arm trains, mines or runs GEPA on, and on its held-out split (untemplated, and templated
+with the task's rule) where it has one: greedy, avg@k and pass@k, overall and per source, from
+its final checkpoint (and its best-dev one where Task.score_best).
 
 Resumable: a run with result.json is never redone; an interrupted one resumes from its last
 checkpoint (train.py --resume=auto); runs already trained are only scored. Each run lives in
@@ -22,10 +23,11 @@ train_seconds.json: wall time summed over the run's train.py processes). Stoppin
 deleted (1.6 GB each at 135M: the default comparison would keep ~70 GB) unless
 --keep_checkpoints.
 
-Writes OUT/report.md (per task: mean ± std over seeds of every arm, the paired difference of
-each arm against GRPO (K) with a bootstrap 95% interval, per-source scores, the leak audit),
-OUT/results.json (every number of every run) and OUT/<task>-dev-vs-tokens.png. Every seed is
-reported; nothing is dropped.
+Writes OUT/report.md (per task: mean ± sd over seeds of every arm with its compute, the paired
+difference of each arm against GRPO (K) with a t-interval over seeds, a hierarchical bootstrap
+and a sign-flip p (experiments/report.py), the CRM probe, the leak audit), OUT/results.json
+(every number of every run; per-problem rows stay in each run's problems.jsonl) and
+OUT/<task>-dev-vs-tokens.png. Every seed is reported; nothing is dropped.
 
 Leak audit: every template assigned to a problem (the GEPA archives of every P²O run) is
 checked against that problem's answer with the guard's own test (gepa.leaks_answer: the
@@ -75,6 +77,7 @@ class Task:
     score_best: bool = True  # also score the best-dev checkpoint (where it is not the final one)
     seeds: dict = dataclasses.field(default_factory=dict)  # arm -> seeds, for arms run on more than --seeds
     crm_probe: tuple = ()  # (question, correct templated response): per-token CRM ratios of every run's policy
+    seed_free: tuple = ()  # arms whose training does not depend on the seed: two seeds show it (report.py)
 
 
 BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
@@ -89,7 +92,10 @@ TASKS = {
     "fictional": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt",
                       FIVE_SEEDS + ("grpo_2k", "dapo", "p2o_self", "p2o_human_no_distill"), budget=30_000,
                       heldout="fictional-heldout", templated=True, score_best=False,
-                      seeds={arm: (0, 1, 2, 3, 4) for arm in FIVE_SEEDS},
+                      seeds={arm: (0, 1, 2, 3, 4) for arm in FIVE_SEEDS} | {"sft_gold": (0, 1)},
+                      # 40 training problems, 48 gold rows a step: every step is the whole set, one
+                      # optimiser step, so the seed changes only the order of a sum (seeds 0 and 1 alike)
+                      seed_free=("sft_gold",),
                       crm_probe=("How many snigs are in 2 plonks?",
                                  "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
 }
@@ -487,6 +493,20 @@ def collect_results(out, plans):
     return results
 
 
+def run_command(task_name, runs, shared, budget):
+    """The compare.py command that made a task's runs: a --set for every setting that all of them
+    share beyond `shared` (e.g. engine_dtype on a CPU without bf16), --budget if not the task's."""
+    common, budgets = None, set()
+    for r in runs:
+        own = {key: value for key, value in r["settings"].items() if key not in ARMS.get(r["arm"], {})
+               and key not in ("train_data", "dev_data") and str(shared.get(key)) != str(value)}
+        common = own if common is None else {key: v for key, v in common.items() if str(own.get(key)) == str(v)}
+        budgets.add(r["budget"])
+    extra = "".join(f" --set={key}={value}" for key, value in sorted((common or {}).items()))
+    extra += f" --budget={budgets.pop()}" if budgets and budgets != {budget} and len(budgets) == 1 else ""
+    return f"python experiments/compare.py --tasks={task_name}{extra}"
+
+
 def load_run(run_dir):
     """A finished run's result.json, with its per-problem rows ("problems", report.read_problems)
     and CRM probe ("probe") attached where it has them."""
@@ -563,10 +583,12 @@ def main(argv=None):
                              task.crm_probe and (*task.crm_probe, rule))
     if not args.report_only:
         run_all(out, plans, shared, model, scorer, args.keep_checkpoints)
-    given = argv if argv is not None else sys.argv[1:]  # the runs' command: --report_only only rewrote this file
-    command = "python experiments/compare.py " + " ".join(a for a in given if a not in ("--report_only",
-                                                                                      "--keep_checkpoints"))
-    write_report(out, collect_results(out, plans), args.k, command.strip(), args.k_templated)
+    results = collect_results(out, plans)
+    commands = {task_name: run_command(task_name, [r for arm, rs in results[task_name].items() if arm != "untrained"
+                                                   for r in rs], SHARED, plan.budget)
+                for task_name, plan in plans.items() if not args.quick}
+    write_report(out, results, args.k, commands, args.k_templated,
+                 {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()})
     print(f"wrote {out}/report.md")
     return 0
 

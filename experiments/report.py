@@ -4,8 +4,11 @@ problems.jsonl, the paired statistics of experiments/stats.py, and one plot per 
     python experiments/compare.py --report_only      # rewrite results/compare/report.md
 
 Every arm is paired with GRPO (K) seed by seed (same seed: same prompt order and the same test
-sampling seed). The primary statistic (docs/EVIDENCE.md, fixed before the runs) is the first
-row of PAIRED; the others are reported the same way and are secondary.
+sampling seed). The primary statistic is the first scored column (columns: held-out avg@k where
+a task has a held-out split, as pre-registered in docs/EVIDENCE.md, else test avg@k); the
+others are reported the same way and are secondary. A seed-free arm (one whose training does
+not depend on the seed, Task.seed_free) is run on two seeds to show it and its one result is
+paired with every baseline seed.
 """
 
 import json
@@ -19,6 +22,7 @@ from stats import hierarchical_bootstrap, sign_flip_p, t_interval
 
 BASELINE = "grpo_k"
 MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds it says nothing useful
+MIN_SEEDS_FOR_BOOT = 3  # the fewest seeds at which coverage.md measures the bootstrap's coverage
 
 
 def read_problems(path):
@@ -48,12 +52,18 @@ def overall(run, set_name, metric, k):
     return sets.get(set_name, {}).get("overall", {}).get(metric_name(metric, k))
 
 
-def paired(arm_runs, base_runs, set_name, metric, k):
+def paired(arm_runs, base_runs, set_name, metric, k, seed_free=False):
     """Paired statistics of an arm against the baseline on one (set, metric), final checkpoint:
-    {"seeds", "diffs" (per seed), "mean", "t" (low, high) or None, "boot" (low, high) or None,
-    "p" or None}. The bootstrap needs both arms' per-problem rows; the t-interval 2 seeds; p 5."""
+    {"seeds", "diffs" (per seed, from result.json), "mean", "t" (low, high) or None, "boot" (low,
+    high) or None, "p" or None}. The t-interval needs 2 seeds; the bootstrap both arms' per-problem
+    rows and MIN_SEEDS_FOR_BOOT seeds; p MIN_SEEDS_FOR_P. seed_free: the arm's first run stands
+    for every baseline seed (check_seed_free says its runs agree)."""
     base = {r["seed"]: r for r in base_runs}
-    pairs = [(r, base[r["seed"]]) for r in sorted(arm_runs, key=lambda r: r["seed"]) if r["seed"] in base]
+    if seed_free:
+        first = min(arm_runs, key=lambda r: r["seed"])
+        pairs = [(first, base[seed]) for seed in sorted(base)]
+    else:
+        pairs = [(r, base[r["seed"]]) for r in sorted(arm_runs, key=lambda r: r["seed"]) if r["seed"] in base]
     diffs, a_rows, b_rows = [], [], []
     for r, b in pairs:
         x, y = overall(r, set_name, metric, k), overall(b, set_name, metric, k)
@@ -69,11 +79,34 @@ def paired(arm_runs, base_runs, set_name, metric, k):
            "t": None, "boot": None, "p": None}
     if len(diffs) >= 2:
         out["t"] = t_interval(diffs)[1:]
-    if len(a_rows) == len(diffs) >= 2:
+    if len(a_rows) == len(diffs) >= MIN_SEEDS_FOR_BOOT:
         out["boot"] = hierarchical_bootstrap(np.array(a_rows), np.array(b_rows))[1:]
     if len(diffs) >= MIN_SEEDS_FOR_P:
         out["p"] = sign_flip_p(diffs)
     return out
+
+
+def check_seed_free(arm, runs):
+    """A seed-free arm's runs must agree on every score and per-problem row: else it is not seed-free."""
+    first = min(runs, key=lambda r: r["seed"])
+    for r in runs:
+        if r.get("sets") != first.get("sets") or r.get("problems") != first.get("problems"):
+            raise ValueError(f"{arm} is declared seed-free (Task.seed_free) but its seed {r['seed']} scored "
+                             f"differently from seed {first['seed']}: run it on every seed instead")
+
+
+def coverage_range(path):
+    """(t low, t high, bootstrap low, bootstrap high) over the rows of coverage.md's tables, or None."""
+    rows = []
+    if os.path.exists(path):
+        for line in open(path):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 3 and cells[0].isdigit():
+                rows.append((float(cells[1]), float(cells[2])))
+    if not rows:
+        return None
+    t, boot = zip(*rows)
+    return min(t), max(t), min(boot), max(boot)
 
 
 def fmt_interval(iv):
@@ -102,11 +135,19 @@ def columns(results, k, k_templated):
     return cols
 
 
-def task_report(task_name, results, k, k_templated=8):
-    """Markdown lines for one task: {arm: [result per seed]} (results with "problems" attached)."""
+def task_report(task_name, results, k, k_templated=8, seed_free=(), command=""):
+    """Markdown lines for one task: {arm: [result per seed]} (results with "problems" attached);
+    seed_free: the arms whose one result is paired with every baseline seed (paired)."""
     cols = columns(results, k, k_templated)
     label = lambda s, m, kk: f"{s} {metric_name(m, kk)}"  # noqa: E731
-    lines = [f"## {task_name}", "", "Final checkpoint, mean ± sd over seeds; compute per run (mean).", "",
+    seed_free = [arm for arm in seed_free if arm in results]
+    for arm in seed_free:
+        check_seed_free(arm, results[arm])
+    lines = [f"## {task_name}", ""] + ([f"Runs: `{command}`.", ""] if command else []) + [
+             "Final checkpoint, mean ± sd over seeds; compute per run (mean)."
+             + (f" Seed-free ({', '.join(seed_free)}): training that does not depend on the seed; its seeds "
+                "scored alike (checked), and its one result is paired with every seed of the baseline." if seed_free
+                else ""), "",
              "| arm | seeds | steps | generated tokens | TFLOPs | train + score min | "
              + " | ".join(label(*c) for c in cols) + " |", "|---|---|---|---|---|---|" + "---|" * len(cols)]
     for arm, runs in results.items():
@@ -122,16 +163,19 @@ def task_report(task_name, results, k, k_templated=8):
     if not base:
         return lines + [""]
     primary = cols[0] if cols else ("test", "greedy", 0)
-    lines += ["", f"**Paired against {BASELINE}, {label(*primary)}** (final checkpoint; per-seed differences in "
-                  "seed order; t: Student-t 95% over seeds; bootstrap: seeds then problems, 95% percentile; p: exact "
-                  f"two-sided sign-flip, shown from {MIN_SEEDS_FOR_P} seeds):", "",
+    prereg = ", the pre-registered primary statistic (docs/EVIDENCE.md)" if primary[0] == "heldout" else ""
+    lines += ["", f"**Paired against {BASELINE}, {label(*primary)}**{prereg}. Final checkpoint; per-seed "
+                  "differences in seed order; t: Student-t 95% over seeds; bootstrap: seeds then problems, 95% "
+                  f"percentile, shown from {MIN_SEEDS_FOR_BOOT} seeds with per-problem rows; p: exact two-sided "
+                  f"sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, whose smallest possible value is 2/2^seeds "
+                  f"({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):", "",
               "| arm | seeds | per-seed differences | mean | t 95% | bootstrap 95% | p |", "|---|---|---|---|---|---|---|"]
     others = [(arm, runs) for arm, runs in results.items() if arm not in (BASELINE, "untrained")]
     for arm, runs in others:
-        s = paired(runs, base, *primary)
+        s = paired(runs, base, *primary, seed_free=arm in seed_free)
         if not s["seeds"]:
             continue
-        lines.append(f"| {arm} | {s['seeds']} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
+        lines.append(f"| {arm} | {s['seeds']}{' (1 run)' if arm in seed_free else ''} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
                      + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | {fmt_interval(s['boot'])} | "
                      + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
     secondary = cols[1:]
@@ -141,7 +185,7 @@ def task_report(task_name, results, k, k_templated=8):
         for arm, runs in others:
             cells = []
             for c in secondary:
-                s = paired(runs, base, *c)
+                s = paired(runs, base, *c, seed_free=arm in seed_free)
                 cells.append("-" if not s["seeds"] else f"{s['mean']:+.3f} {fmt_interval(s['t'])}")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -204,21 +248,26 @@ def plot_dev(task_name, results, out_path):
     plt.close(fig)
 
 
-def write_report(out, all_results, k, command, k_templated=8):
-    """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows)."""
+def write_report(out, all_results, k, commands, k_templated=8, seed_free=None):
+    """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows).
+    commands: {task: the command its runs were made with}; seed_free: {task: arms} (task_report)."""
     runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
     train_h = sum(r["train_seconds"] for r in runs) / 3600
     score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
     unscored = sum("score_seconds" not in r for r in runs)
-    lines = ["# P²O against its baselines at equal compute", "", f"Command: `{command}`", "",
+    lines = ["# P²O against its baselines at equal compute", "",
              f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
              f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
-    coverage = os.path.join(out, "coverage.md")
-    if os.path.exists(coverage):
-        lines += ["Coverage of these intervals on simulated comparisons: [coverage.md](coverage.md).", ""]
+    coverage = coverage_range(os.path.join(out, "coverage.md"))
+    if coverage:
+        lines += [f"Coverage of the 95% intervals on simulated comparisons ([coverage.md](coverage.md), 3 to 20 "
+                  f"seeds): t-interval {coverage[0]:.3f}-{coverage[1]:.3f}, hierarchical bootstrap "
+                  f"{coverage[2]:.3f}-{coverage[3]:.3f} (lowest with few seeds when seed effects dominate), so the "
+                  "t-interval is the one to read.", ""]
     for task_name, results in all_results.items():
         if results:
-            lines += task_report(task_name, results, k, k_templated) + probe_report(results) + leak_lines(results)
+            lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
+                                 commands.get(task_name, "")) + probe_report(results) + leak_lines(results)
             png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
             plot_dev(task_name, results, png)
             lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]

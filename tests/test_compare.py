@@ -89,8 +89,8 @@ def test_an_interval_without_width_is_called_so():
 
 
 def test_report_paired_statistics_use_the_per_problem_rows():
-    """Five seeds with per-problem rows: the bootstrap and the sign-flip p appear, computed from
-    the rows (stats.py's functions, tested there), and the per-seed differences are the rows' means."""
+    """Five seeds with per-problem rows: the bootstrap and the sign-flip p appear (stats.py's
+    functions, tested there); the per-seed differences come from result.json (here the rows' means)."""
     def run(arm, seed, correct):
         rows = {("final", "heldout"): {f"p{i}": {"greedy": 0, "correct": c, "k": 4} for i, c in enumerate(correct)}}
         return {"arm": arm, "seed": seed, "sets": {"final": {"heldout": {"overall": {"avg@4": sum(correct) / 4 / len(correct)}}}},
@@ -187,3 +187,57 @@ def test_sigterm_stops_the_running_train_py_at_a_checkpoint(tmp_path):
     assert "stopped by signal 15; checkpoint" in (run / "console.log").read_text()
     assert not (run / "result.json").exists() and os.path.exists(run / "latest")
     assert json.loads((run / "train_seconds.json").read_text())["seconds"] > 0
+
+
+def heldout_run(arm, seed, correct, k=4):
+    rows = {("final", "heldout"): {f"p{i}": {"greedy": 0, "correct": c, "k": k} for i, c in enumerate(correct)}}
+    return {"arm": arm, "seed": seed, "sets": {"final": {"heldout": {"overall": {f"avg@{k}": sum(correct) / k / len(correct)}}}},
+            "problems": rows, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
+
+
+def test_bootstrap_needs_three_seeds():
+    """Two seeds give a t-interval but no bootstrap: its seed level would have 3 distinct resamples
+    and coverage.md measures it from 3 seeds."""
+    base = [heldout_run("grpo_k", s, [0, 1, 0, 2]) for s in range(3)]
+    arm = [heldout_run("x", s, [s, 2, 1, 0]) for s in range(3)]
+    assert report.paired(arm[:2], base, "heldout", "avg", 4)["boot"] is None
+    assert report.paired(arm[:2], base, "heldout", "avg", 4)["t"] is not None
+    assert report.paired(arm, base, "heldout", "avg", 4)["boot"] is not None
+
+
+def test_a_seed_free_arm_is_paired_with_every_baseline_seed():
+    base = [heldout_run("grpo_k", s, [s, 0, 0, 0]) for s in range(5)]  # avg 0, 1/16, 2/16, 3/16, 4/16
+    sft = [heldout_run("sft_gold", s, [4, 0, 0, 0]) for s in (0, 1)]  # 4/16 on both seeds
+    s = report.paired(sft, base, "heldout", "avg", 4, seed_free=True)
+    assert s["seeds"] == 5 and s["diffs"] == pytest.approx([4 / 16, 3 / 16, 2 / 16, 1 / 16, 0.0])
+    assert s["p"] is not None and s["boot"] is not None
+    assert report.paired(sft, base, "heldout", "avg", 4)["seeds"] == 2  # not declared: its own seeds only
+    results = {"grpo_k": base, "sft_gold": sft}
+    text = "\n".join(report.task_report("t", results, k=4, seed_free=("sft_gold",)))
+    assert "| sft_gold | 5 (1 run) | +0.250, +0.188, +0.125, +0.062, +0.000 |" in text
+
+
+def test_a_seed_free_arm_whose_seeds_differ_is_refused():
+    base = [heldout_run("grpo_k", s, [0, 0, 0, 0]) for s in range(2)]
+    sft = [heldout_run("sft_gold", 0, [4, 0, 0, 0]), heldout_run("sft_gold", 1, [4, 1, 0, 0])]
+    with pytest.raises(ValueError, match=r"sft_gold is declared seed-free .* its seed 1 scored differently"):
+        report.task_report("t", {"grpo_k": base, "sft_gold": sft}, k=4, seed_free=("sft_gold",))
+
+
+def test_run_command_names_the_settings_every_run_shared():
+    def run(arm, **extra):
+        return {"arm": arm, "budget": 30_000, "settings": {**compare.SHARED, "train_data": "x", **compare.ARMS[arm], **extra}}
+    runs = [run("grpo_k", engine_dtype="float32", autocast_bf16="False"),
+            run("p2o_human", engine_dtype="float32", autocast_bf16="False", group_size=4)]
+    assert compare.run_command("fictional", runs, compare.SHARED, 30_000) == \
+        "python experiments/compare.py --tasks=fictional --set=autocast_bf16=False --set=engine_dtype=float32"
+    assert compare.run_command("natural", [run("grpo_k")], compare.SHARED, 15_000) == \
+        "python experiments/compare.py --tasks=natural --budget=30000"
+
+
+def test_coverage_range_reads_both_tables(tmp_path):
+    path = tmp_path / "coverage.md"
+    path.write_text("# x\n\n| seeds | t-interval | hierarchical bootstrap |\n|---|---|---|\n| 3 | 0.955 | 0.938 |\n"
+                    "| 5 | 0.948 | 0.949 |\n\n**b**\n\n| seeds | t | b |\n|---|---|---|\n| 3 | 0.959 | 0.837 |\n")
+    assert report.coverage_range(str(path)) == (0.948, 0.959, 0.837, 0.949)
+    assert report.coverage_range(str(tmp_path / "none.md")) is None
