@@ -3,6 +3,7 @@ and the whole harness on a tiny random model (--quick), including resumption."""
 
 import json
 import os
+import shutil
 import statistics
 import sys
 
@@ -241,3 +242,13 @@ def test_coverage_range_reads_both_tables(tmp_path):
                     "| 5 | 0.948 | 0.949 |\n\n**b**\n\n| seeds | t | b |\n|---|---|---|\n| 3 | 0.959 | 0.837 |\n")
     assert report.coverage_range(str(path)) == (0.948, 0.959, 0.837, 0.949)
     assert report.coverage_range(str(tmp_path / "none.md")) is None
+
+
+def test_the_committed_report_is_what_the_committed_runs_give(tmp_path):
+    """results/compare/report.md is rewritten from the committed result.json and problems.jsonl
+    alone (--report_only), so no number in it is typed by hand or left stale."""
+    committed = os.path.join(compare.ROOT, "results", "compare")
+    out = tmp_path / "compare"
+    shutil.copytree(committed, out, ignore=shutil.ignore_patterns("*.png", "rollouts.jsonl", "tb"))
+    assert compare.main(["--report_only", f"--out={out}"]) == 0
+    assert (out / "report.md").read_text() == open(os.path.join(committed, "report.md")).read()

@@ -61,6 +61,17 @@ def test_hierarchical_bootstrap_properties():
     assert narrow[2] - narrow[1] == pytest.approx(hi - lo, rel=1e-9)
 
 
+def test_hierarchical_bootstrap_draws_one_problem_sample_for_all_seeds():
+    """Problems are drawn once per resample and shared by every seed: with differences that are a
+    problem effect alone (the same in every seed), the interval is the one-sample interval over
+    problems (half-width 1.96 sd / sqrt(problems)), not sqrt(seeds) narrower as independent
+    problem draws per seed would make it."""
+    effect = np.random.default_rng(2).normal(0, 1, 40)
+    d = np.tile(effect, (5, 1))
+    mean, lo, hi = stats.hierarchical_bootstrap(d, np.zeros_like(d), n=20_000)
+    assert (hi - lo) / 2 == pytest.approx(1.96 * effect.std() / math.sqrt(40), rel=0.06)
+
+
 def test_t_interval_covers_95_percent_of_simulated_comparisons():
     """5 seeds, known mean: the coverage is 0.95 up to simulation error (2,000 runs: sd 0.005)."""
     coverage = stats.simulate_coverage(5, sims=2000, boot=200)
