@@ -252,3 +252,39 @@ def test_the_committed_report_is_what_the_committed_runs_give(tmp_path):
     shutil.copytree(committed, out, ignore=shutil.ignore_patterns("*.png", "rollouts.jsonl", "tb"))
     assert compare.main(["--report_only", f"--out={out}"]) == 0
     assert (out / "report.md").read_text() == open(os.path.join(committed, "report.md")).read()
+
+
+def test_scorer_rows_by_hand(monkeypatch):
+    """Scorer with a scripted engine: each problem's row holds its greedy verdict, its number of
+    correct samples and k, templated where the set is; the aggregate avg@k is the rows' mean."""
+    import rollout
+    from data import Problem
+
+    problems = [Problem(f"p{i}", f"How many snigs are in {n} plonks?", str(13 * n), source="fictional/plonk")
+                for i, n in enumerate((2, 3, 4))]
+    rule = "1 plonk = 13 snigs."
+
+    class Engine:  # problem i: greedy right iff i is even; i + 1 of k samples right, all of them with the rule
+        def generate(self, prompts, n=1, temperature=0.0, **_):
+            out = []
+            for messages, k, t in zip(prompts, n, temperature):
+                text = messages[-1]["content"]
+                i = next(j for j, p in enumerate(problems) if p.problem in text)
+                right, wrong = f"\\boxed{{{problems[i].answer}}}", "\\boxed{7}"
+                if t == 0.0:
+                    out.append([rollout.Sample([1], [2], right if i % 2 == 0 else wrong, "stop")])
+                else:
+                    good = k if text.startswith(rule) else i + 1
+                    out.append([rollout.Sample([1], [2], right if j < good else wrong, "stop") for j in range(k)])
+            return out
+
+    monkeypatch.setattr(rollout, "make_rollout", lambda *a, **kw: Engine())
+    scorer = compare.Scorer("hf", 0.6, 32, dtype="float32")
+    scores, rows = scorer("model", [("heldout", problems, "", 4), ("heldout_templated", problems, rule, 4)])
+    mine = [(r["set"], r["id"], r["templated"], r["greedy"], r["correct"], r["k"]) for r in rows]
+    assert mine == [("heldout", "p0", False, 1.0, 1, 4), ("heldout", "p1", False, 0.0, 2, 4),
+                    ("heldout", "p2", False, 1.0, 3, 4), ("heldout_templated", "p0", True, 1.0, 4, 4),
+                    ("heldout_templated", "p1", True, 0.0, 4, 4), ("heldout_templated", "p2", True, 1.0, 4, 4)]
+    assert scores["heldout"]["overall"]["avg@4"] == pytest.approx(6 / 12)
+    assert scores["heldout"]["overall"]["greedy"] == pytest.approx(2 / 3)
+    assert scores["heldout_templated"]["overall"]["avg@4"] == pytest.approx(1.0)
