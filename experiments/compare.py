@@ -503,7 +503,7 @@ def run_command(task_name, runs, shared, budget):
         common = own if common is None else {key: v for key, v in common.items() if str(own.get(key)) == str(v)}
         budgets.add(r["budget"])
     extra = "".join(f" --set={key}={value}" for key, value in sorted((common or {}).items()))
-    extra += f" --budget={budgets.pop()}" if budgets and budgets != {budget} and len(budgets) == 1 else ""
+    extra += f" --budget={budgets.pop()}" if len(budgets) == 1 and budgets != {budget} else ""
     return f"python experiments/compare.py --tasks={task_name}{extra}"
 
 
@@ -587,6 +587,7 @@ def main(argv=None):
     commands = {task_name: run_command(task_name, [r for arm, rs in results[task_name].items() if arm != "untrained"
                                                    for r in rs], SHARED, plan.budget)
                 for task_name, plan in plans.items() if not args.quick}
+    # --quick: a tiny random model's seeds need not score alike, so no arm is taken as seed-free there
     write_report(out, results, args.k, commands, args.k_templated,
                  {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()})
     print(f"wrote {out}/report.md")

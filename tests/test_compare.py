@@ -65,6 +65,12 @@ def fake(arm, seed, greedy, leaks=()):
             "templates_assigned": 2, "leaks": list(leaks), "dev": [], "train_seconds": 60.0, "flops": 2e15}
 
 
+def heldout_run(arm, seed, correct, k=4):
+    """A run scored on a held-out set only, with per-problem rows: correct[i] of k samples right."""
+    rows = {("final", "heldout"): {f"p{i}": {"greedy": 0, "correct": c, "k": k} for i, c in enumerate(correct)}}
+    return {"arm": arm, "seed": seed, "sets": {"final": {"heldout": {"overall": {f"avg@{k}": sum(correct) / k / len(correct)}}}},
+            "problems": rows, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
+
 def test_report_pairs_seeds_and_states_the_leaks():
     results = {"grpo_k": [fake("grpo_k", 0, 0.2), fake("grpo_k", 1, 0.4)],
                "p2o_human": [fake("p2o_human", 1, 0.7), fake("p2o_human", 0, 0.3, [("q", "it is 5")])]}
@@ -92,12 +98,8 @@ def test_an_interval_without_width_is_called_so():
 def test_report_paired_statistics_use_the_per_problem_rows():
     """Five seeds with per-problem rows: the bootstrap and the sign-flip p appear (stats.py's
     functions, tested there); the per-seed differences come from result.json (here the rows' means)."""
-    def run(arm, seed, correct):
-        rows = {("final", "heldout"): {f"p{i}": {"greedy": 0, "correct": c, "k": 4} for i, c in enumerate(correct)}}
-        return {"arm": arm, "seed": seed, "sets": {"final": {"heldout": {"overall": {"avg@4": sum(correct) / 4 / len(correct)}}}},
-                "problems": rows}
-    base = [run("grpo_k", s, [0, 0, 0, 0]) for s in range(5)]
-    arm = [run("x", s, [s % 2, 4, 0, 1]) for s in range(5)]  # +5/16 or +6/16 per seed
+    base = [heldout_run("grpo_k", s, [0, 0, 0, 0]) for s in range(5)]
+    arm = [heldout_run("x", s, [s % 2, 4, 0, 1]) for s in range(5)]  # +5/16 or +6/16 per seed
     s = report.paired(arm, base, "heldout", "avg", 4)
     assert s["diffs"] == pytest.approx([5 / 16, 6 / 16, 5 / 16, 6 / 16, 5 / 16])
     assert s["p"] == pytest.approx(2 / 32) and s["boot"] is not None and s["t"][0] > 0
@@ -188,12 +190,6 @@ def test_sigterm_stops_the_running_train_py_at_a_checkpoint(tmp_path):
     assert "stopped by signal 15; checkpoint" in (run / "console.log").read_text()
     assert not (run / "result.json").exists() and os.path.exists(run / "latest")
     assert json.loads((run / "train_seconds.json").read_text())["seconds"] > 0
-
-
-def heldout_run(arm, seed, correct, k=4):
-    rows = {("final", "heldout"): {f"p{i}": {"greedy": 0, "correct": c, "k": k} for i, c in enumerate(correct)}}
-    return {"arm": arm, "seed": seed, "sets": {"final": {"heldout": {"overall": {f"avg@{k}": sum(correct) / k / len(correct)}}}},
-            "problems": rows, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
 
 
 def test_bootstrap_needs_three_seeds():
