@@ -164,20 +164,24 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command=""):
         return lines + [""]
     primary = cols[0] if cols else ("test", "greedy", 0)
     prereg = ", the pre-registered primary statistic (docs/EVIDENCE.md)" if primary[0] == "heldout" else ""
-    lines += ["", f"**Paired against {BASELINE}, {label(*primary)}**{prereg}. Final checkpoint; per-seed "
-                  "differences in seed order; t: Student-t 95% over seeds; bootstrap: seeds then problems, 95% "
-                  f"percentile, shown from {MIN_SEEDS_FOR_BOOT} seeds with per-problem rows; p: exact two-sided "
-                  f"sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, whose smallest possible value is 2/2^seeds "
-                  f"({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):", "",
-              "| arm | seeds | per-seed differences | mean | t 95% | bootstrap 95% | p |", "|---|---|---|---|---|---|---|"]
     others = [(arm, runs) for arm, runs in results.items() if arm not in (BASELINE, "untrained")]
-    for arm, runs in others:
-        s = paired(runs, base, *primary, seed_free=arm in seed_free)
-        if not s["seeds"]:
-            continue
+    primaries = [(arm, paired(runs, base, *primary, seed_free=arm in seed_free)) for arm, runs in others]
+    primaries = [(arm, s) for arm, s in primaries if s["seeds"]]
+    family = max(len(primaries), 1)  # Bonferroni: every arm of the table against the one baseline
+    lines += ["", f"**Paired against {BASELINE}, {label(*primary)}**{prereg}. Final checkpoint; per-seed "
+                  "differences in seed order; t: Student-t 95% over seeds; Bonferroni: the t-interval at level "
+                  f"1 - 0.05/{family} for the {family} arms of this table, together 95%"
+                  + (" (not part of the pre-registration, which set no correction)" if prereg else "")
+                  + f"; bootstrap: seeds then problems, 95% percentile, shown from {MIN_SEEDS_FOR_BOOT} seeds "
+                  f"with per-problem rows; p: exact two-sided sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, "
+                  f"whose smallest possible value is 2/2^seeds ({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):",
+              "", f"| arm | seeds | per-seed differences | mean | t 95% | t, Bonferroni over {family} | bootstrap 95% | p |",
+              "|---|---|---|---|---|---|---|---|"]
+    for arm, s in primaries:
+        family_t = t_interval(s["diffs"], 1 - 0.05 / family)[1:] if s["seeds"] >= 2 else None
         lines.append(f"| {arm} | {s['seeds']}{' (1 run)' if arm in seed_free else ''} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
-                     + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | {fmt_interval(s['boot'])} | "
-                     + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
+                     + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | {fmt_interval(family_t)} | "
+                     + f"{fmt_interval(s['boot'])} | " + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
     secondary = cols[1:]
     if secondary:
         lines += ["", f"Secondary, paired against {BASELINE}: mean [t 95%]:", "",

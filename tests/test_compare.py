@@ -78,7 +78,8 @@ def test_report_pairs_seeds_and_states_the_leaks():
     assert "| grpo_k | 2 | 3.0 | 100 | 2,000 | 1.0 | 0.150 ± 0.071 | 0.300 ± 0.141 | 0.300 ± 0.141 |" in text
     # paired by seed: avg@2 differences 0.15 - 0.1 = +0.05 (seed 0), 0.35 - 0.2 = +0.15 (seed 1); mean +0.1,
     # t(1 df) 12.706 x sd 0.0707 / sqrt 2 = 0.635 -> [-0.535, +0.735]; no per-problem rows: no bootstrap; 2 seeds: no p
-    assert "| p2o_human | 2 | +0.050, +0.150 | +0.100 | [-0.535, +0.735] | - | - |" in text
+    # one arm against the baseline: the Bonferroni interval is the plain one
+    assert "| p2o_human | 2 | +0.050, +0.150 | +0.100 | [-0.535, +0.735] | [-0.535, +0.735] | - | - |" in text
     assert "**1 leaks**" in text and "p2o_human seed 0: q: 'it is 5'" in text
 
 
@@ -87,7 +88,20 @@ def test_report_with_one_seed_claims_no_spread():
     text = "\n".join(report.task_report("t", results, k=2))
     assert "| grpo_k | 1 | 3.0 | 100 | 2,000 | 1.0 | 0.100 | 0.200 | 0.200 |" in text
     assert "± 0" not in text  # no spread from one seed
-    assert "| dapo | 1 | +0.150 | +0.150 | - | - | - |" in text
+    assert "| dapo | 1 | +0.150 | +0.150 | - | - | - | - |" in text
+
+
+def test_bonferroni_interval_widens_with_the_number_of_arms():
+    """Two arms, three seeds: each arm's family-wise interval is its t-interval at level 1 - 0.05/2.
+    With 2 df, F(t) = 1/2 + t / (2 sqrt(t^2 + 2)), so F(t) = 0.9875 at t = sqrt(2 * 0.975^2 / (1 - 0.975^2))
+    = 6.2053; arm a's differences 0.1, 0.2, 0.3: mean 0.2, se 0.1/sqrt 3 -> 0.2 -/+ 0.3583."""
+    results = {"grpo_k": [fake("grpo_k", s, 0.0) for s in range(3)],
+               "a": [fake("a", s, g) for s, g in enumerate((0.2, 0.4, 0.6))],
+               "b": [fake("b", s, g) for s, g in enumerate((0.4, 0.4, 0.6))]}
+    text = "\n".join(report.task_report("t", results, k=2))
+    assert "t, Bonferroni over 2 |" in text
+    # plain 95%: t(2 df, 0.975) 4.3027 x 0.0577 = 0.2484
+    assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.158, +0.558] | - | - |" in text
 
 
 def test_an_interval_without_width_is_called_so():
