@@ -1,4 +1,4 @@
-"""P²O against its baselines at equal compute, over seeds, on held-out data: one resumable command.
+"""P²O against its baselines at an equal budget of generated tokens, over seeds, on held-out data: one resumable command.
 
     python experiments/compare.py                      # the default comparison: both tasks, every arm, 3 seeds
     python experiments/compare.py --tasks=fictional --arms=grpo_k,p2o_human --seeds=0,1
@@ -60,7 +60,7 @@ from plot import read_jsonl  # noqa: E402
 from runs import GENERATED, write_atomic  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import read_problems, write_report  # noqa: E402
+from report import BASELINE, read_problems, write_report  # noqa: E402
 
 
 @dataclass
@@ -589,7 +589,8 @@ def main(argv=None):
                 for task_name, plan in plans.items() if not args.quick}
     # --quick: a tiny random model's seeds need not score alike, so no arm is taken as seed-free there
     write_report(out, results, args.k, commands, args.k_templated,
-                 {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()})
+                 {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()},
+                 {task_name: sum(arm != BASELINE for arm in plan.arms) for task_name, plan in plans.items()})
     print(f"wrote {out}/report.md")
     return 0
 

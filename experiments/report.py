@@ -135,9 +135,11 @@ def columns(results, k, k_templated):
     return cols
 
 
-def task_report(task_name, results, k, k_templated=8, seed_free=(), command=""):
+def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", family=None):
     """Markdown lines for one task: {arm: [result per seed]} (results with "problems" attached);
-    seed_free: the arms whose one result is paired with every baseline seed (paired)."""
+    seed_free: the arms whose one result is paired with every baseline seed (paired); family: the
+    number of arms the task compares with the baseline, finished or not, for the Bonferroni level
+    (None: the arms in results), so that the level does not change as runs come in."""
     cols = columns(results, k, k_templated)
     label = lambda s, m, kk: f"{s} {metric_name(m, kk)}"  # noqa: E731
     seed_free = [arm for arm in seed_free if arm in results]
@@ -167,13 +169,13 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command=""):
     others = [(arm, runs) for arm, runs in results.items() if arm not in (BASELINE, "untrained")]
     primaries = [(arm, paired(runs, base, *primary, seed_free=arm in seed_free)) for arm, runs in others]
     primaries = [(arm, s) for arm, s in primaries if s["seeds"]]
-    family = max(len(primaries), 1)  # Bonferroni: every arm of the table against the one baseline
+    family = max(family or 0, len(primaries), 1)  # Bonferroni: every arm of the task against the one baseline
     lines += ["", f"**Paired against {BASELINE}, {label(*primary)}**{prereg}. Final checkpoint; per-seed "
                   "differences in seed order; t: Student-t 95% over seeds; Bonferroni: the t-interval at level "
-                  f"1 - 0.05/{family} for the {family} arms of this table, together 95%"
+                  f"1 - 0.05/{family} for the {family} arms compared with it (finished or not), together 95%"
                   + (" (not part of the pre-registration, which set no correction)" if prereg else "")
-                  + f"; bootstrap: seeds then problems, 95% percentile, shown from {MIN_SEEDS_FOR_BOOT} seeds "
-                  f"with per-problem rows; p: exact two-sided sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, "
+                  + f"; bootstrap: seeds then problems, nominal 95% percentile (it covers less with few seeds, "
+                  f"coverage.md), shown from {MIN_SEEDS_FOR_BOOT} seeds with per-problem rows; p: exact two-sided sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, "
                   f"whose smallest possible value is 2/2^seeds ({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):",
               "", f"| arm | seeds | per-seed differences | mean | t 95% | t, Bonferroni over {family} | bootstrap 95% | p |",
               "|---|---|---|---|---|---|---|---|"]
@@ -197,22 +199,40 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command=""):
 
 def probe_report(results):
     """The CRM probe (compare.crm_probe) of every run: the fact's token (the "3" of "13") and the
-    whole probe response under the plain prompt, mean over seeds."""
+    whole probe response under the plain prompt, mean over seeds. A token is counted outside the
+    band of its own run's settings (crm_low, crm_high; train.py's defaults where a run sets none)."""
     lines = ["CRM probe (`experiments/crm_tokens.py` on each final policy; the fact's token is the \"3\" of \"13\" in "
-             "the correct answer to \"How many snigs are in 2 plonks?\"; log-probs at T = 0.6, band log c in "
-             "[-4.61, 2.30]):", "", "| arm | runs | fact token log p(x) | its log p(x~) | its log c | masked | "
+             "the correct answer to \"How many snigs are in 2 plonks?\"; log-probs at T = 0.6; outside band: log c "
+             "outside the run's own [log crm_low, log crm_high], by default [-4.61, 2.30], [-9.21, 2.30] for "
+             "crm_low 1e-4; a soft CRM down-weights such a token rather than masking it):", "",
+             "| arm | runs | fact token log p(x) | its log p(x~) | its log c | outside band | "
              "response mean log p(x) |", "|---|---|---|---|---|---|---|"]
     for arm, runs in results.items():
-        probes = [r["probe"] for r in runs if r.get("probe")]
-        if not probes:
+        runs = [r for r in runs if r.get("probe")]
+        if not runs:
             continue
-        facts = [fact_token(p) for p in probes]
+        facts = [fact_token(r["probe"]) for r in runs]
+        outside = sum(outside_band(f["log_c"], r.get("settings", {})) for f, r in zip(facts, runs))
         mean = lambda xs: statistics.mean(xs)  # noqa: E731
-        lines.append(f"| {arm} | {len(probes)} | {mean(f['logp_plain'] for f in facts):.2f} | "
+        lines.append(f"| {arm} | {len(runs)} | {mean(f['logp_plain'] for f in facts):.2f} | "
                      f"{mean(f['logp_templated'] for f in facts):.2f} | {mean(f['log_c'] for f in facts):.2f} | "
-                     f"{sum(f['masked'] for f in facts)} of {len(facts)} | "
-                     f"{mean(mean(t['logp_plain'] for t in p) for p in probes):.2f} |")
+                     f"{outside} of {len(facts)} | "
+                     f"{mean(mean(t['logp_plain'] for t in r['probe']) for r in runs):.2f} |")
     return lines + [""] if len(lines) > 4 else []
+
+
+def outside_band(log_c, settings):
+    """Whether a token's log c falls outside the CRM band of a run's settings (distill.crm_weights'
+    test, so the report and the trainer agree at the edges)."""
+    import torch
+
+    from distill import crm_weights
+    from train import Config
+
+    low, high = (float(settings.get(key, getattr(Config, key))) for key in ("crm_low", "crm_high"))
+    weight, _ = crm_weights(torch.tensor([float(log_c)], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                            low, high)
+    return bool(weight.item() == 0.0)
 
 
 def fact_token(rows):
@@ -252,14 +272,15 @@ def plot_dev(task_name, results, out_path):
     plt.close(fig)
 
 
-def write_report(out, all_results, k, commands, k_templated=8, seed_free=None):
+def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None):
     """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows).
-    commands: {task: the command its runs were made with}; seed_free: {task: arms} (task_report)."""
+    commands: {task: the command its runs were made with}; seed_free: {task: arms}; families:
+    {task: number of arms compared with the baseline} (task_report)."""
     runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
     train_h = sum(r["train_seconds"] for r in runs) / 3600
     score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
     unscored = sum("score_seconds" not in r for r in runs)
-    lines = ["# P²O against its baselines at equal compute", "",
+    lines = ["# P²O against its baselines at an equal budget of generated tokens", "",
              f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
              f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
     coverage = coverage_range(os.path.join(out, "coverage.md"))
@@ -271,7 +292,7 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None):
     for task_name, results in all_results.items():
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
-                                 commands.get(task_name, "")) + probe_report(results) + leak_lines(results)
+                                 commands.get(task_name, ""), (families or {}).get(task_name)) + probe_report(results) + leak_lines(results)
             png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
             plot_dev(task_name, results, png)
             lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]

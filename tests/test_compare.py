@@ -2,6 +2,7 @@
 and the whole harness on a tiny random model (--quick), including resumption."""
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -102,6 +103,34 @@ def test_bonferroni_interval_widens_with_the_number_of_arms():
     assert "t, Bonferroni over 2 |" in text
     # plain 95%: t(2 df, 0.975) 4.3027 x 0.0577 = 0.2484
     assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.158, +0.558] | - | - |" in text
+
+
+def test_bonferroni_family_counts_arms_not_yet_run():
+    """The level follows the arms a task compares (family), not the ones finished so far: family 3,
+    two arms in the table -> level 1 - 0.05/3, two-sided tail 0.05/6. With 2 df, F(t) = 0.991667
+    at t = sqrt(2 q^2 / (1 - q^2)), q = 2F - 1 = 0.983333: t = 7.6487; x 0.057735 = 0.4416."""
+    results = {"grpo_k": [fake("grpo_k", s, 0.0) for s in range(3)],
+               "a": [fake("a", s, g) for s, g in enumerate((0.2, 0.4, 0.6))],
+               "b": [fake("b", s, g) for s, g in enumerate((0.4, 0.4, 0.6))]}
+    text = "\n".join(report.task_report("t", results, k=2, family=3))
+    assert "t, Bonferroni over 3 |" in text
+    assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.242, +0.642] | - | - |" in text
+
+
+def test_probe_band_is_each_runs_own():
+    """log c -7.91 (the fact token, untrained) is outside the default band [log 0.01, log 10] and
+    inside crm_low=1e-4's; the band's edges belong to it, as in distill.crm_weights."""
+    assert report.outside_band(-7.91, {}) and not report.outside_band(-7.91, {"crm_low": 1e-4})
+    assert not report.outside_band(math.log(0.01), {}) and report.outside_band(math.log(10.0) + 1e-9, {})
+    assert report.outside_band(-0.5, {"crm_low": 0.9, "crm_high": 2.0})
+    probe = [{"token": t, "logp_plain": -1.0, "logp_templated": 0.0, "log_c": c, "masked": True}
+             for t, c in (("1", -1.0), ("3", -7.91))]
+    runs = {"p2o_human": [{"probe": probe, "settings": {}}],
+            "p2o_human_crm_low": [{"probe": probe, "settings": {"crm_low": 1e-4}},
+                                  {"probe": probe, "settings": {"crm_low": 1e-2}}]}
+    text = "\n".join(report.probe_report(runs))
+    assert "| p2o_human | 1 | -1.00 | 0.00 | -7.91 | 1 of 1 |" in text
+    assert "| p2o_human_crm_low | 2 | -1.00 | 0.00 | -7.91 | 1 of 2 |" in text
 
 
 def test_an_interval_without_width_is_called_so():
