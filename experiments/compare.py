@@ -78,6 +78,7 @@ class Task:
     seeds: dict = dataclasses.field(default_factory=dict)  # arm -> seeds, for arms run on more than --seeds
     crm_probe: tuple = ()  # (question, correct templated response): per-token CRM ratios of every run's policy
     seed_free: tuple = ()  # arms whose training does not depend on the seed: two seeds show it (report.py)
+    contrasts: tuple = ()  # (arm, other arm) pairs also paired with each other in the report (post hoc)
 
 
 BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
@@ -96,6 +97,10 @@ TASKS = {
                       # 40 training problems, 48 gold rows a step: every step is the whole set, one
                       # optimiser step, so the seed changes only the order of a sum (seeds 0 and 1 alike)
                       seed_free=("sft_gold",),
+                      # what the mechanism predicts between arms (docs/EVIDENCE.md), chosen after the runs
+                      contrasts=(("p2o_human_no_crm", "p2o_human"), ("p2o_human_crm_low", "p2o_human_no_crm"),
+                                 ("p2o_human_crm_low", "p2o_human"), ("p2o_human_crm_soft", "p2o_human"),
+                                 ("rs_distill", "p2o_human_no_crm")),
                       crm_probe=("How many snigs are in 2 plonks?",
                                  "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
 }
@@ -590,7 +595,8 @@ def main(argv=None):
     # --quick: a tiny random model's seeds need not score alike, so no arm is taken as seed-free there
     write_report(out, results, args.k, commands, args.k_templated,
                  {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()},
-                 {task_name: sum(arm != BASELINE for arm in plan.arms) for task_name, plan in plans.items()})
+                 {task_name: sum(arm != BASELINE for arm in plan.arms) for task_name, plan in plans.items()},
+                 {task_name: plan.task.contrasts for task_name, plan in plans.items()})
     print(f"wrote {out}/report.md")
     return 0
 

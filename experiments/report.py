@@ -135,11 +135,12 @@ def columns(results, k, k_templated):
     return cols
 
 
-def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", family=None):
+def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", family=None, contrasts=()):
     """Markdown lines for one task: {arm: [result per seed]} (results with "problems" attached);
     seed_free: the arms whose one result is paired with every baseline seed (paired); family: the
     number of arms the task compares with the baseline, finished or not, for the Bonferroni level
-    (None: the arms in results), so that the level does not change as runs come in."""
+    (None: the arms in results), so that the level does not change as runs come in; contrasts:
+    (arm, other) pairs paired with each other on the primary statistic, reported as post hoc."""
     cols = columns(results, k, k_templated)
     label = lambda s, m, kk: f"{s} {metric_name(m, kk)}"  # noqa: E731
     seed_free = [arm for arm in seed_free if arm in results]
@@ -194,6 +195,17 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
                 s = paired(runs, base, *c, seed_free=arm in seed_free)
                 cells.append("-" if not s["seeds"] else f"{s['mean']:+.3f} {fmt_interval(s['t'])}")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    contrasts = [(a, b) for a, b in contrasts if a in results and b in results]
+    if contrasts:
+        lines += ["", f"Post hoc (chosen after the runs, not corrected for multiplicity): arms paired with each other "
+                      f"seed by seed, {label(*primary)}, as above:", "",
+                  "| arm - other arm | seeds | per-seed differences | mean | t 95% | p |", "|---|---|---|---|---|---|"]
+        for a, b in contrasts:
+            s = paired(results[a], results[b], *primary)
+            if s["seeds"]:
+                lines.append(f"| {a} - {b} | {s['seeds']} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
+                             + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | "
+                             + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
     return lines + [""]
 
 
@@ -272,10 +284,10 @@ def plot_dev(task_name, results, out_path):
     plt.close(fig)
 
 
-def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None):
+def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None, contrasts=None):
     """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows).
     commands: {task: the command its runs were made with}; seed_free: {task: arms}; families:
-    {task: number of arms compared with the baseline} (task_report)."""
+    {task: number of arms compared with the baseline}; contrasts: {task: (arm, other) pairs} (task_report)."""
     runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
     train_h = sum(r["train_seconds"] for r in runs) / 3600
     score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
@@ -292,7 +304,8 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
     for task_name, results in all_results.items():
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
-                                 commands.get(task_name, ""), (families or {}).get(task_name)) + probe_report(results) + leak_lines(results)
+                                 commands.get(task_name, ""), (families or {}).get(task_name),
+                                 (contrasts or {}).get(task_name, ())) + probe_report(results) + leak_lines(results)
             png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
             plot_dev(task_name, results, png)
             lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]

@@ -117,6 +117,17 @@ def test_bonferroni_family_counts_arms_not_yet_run():
     assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.242, +0.642] | - | - |" in text
 
 
+def test_contrasts_pair_two_arms_seed_by_seed():
+    """a - b per seed on the primary column (avg@2 = greedy / 2): -0.1, 0, 0; mean -0.0333,
+    sd 0.0577, se 0.0333, t(2 df) 4.3027 -> [-0.177, +0.110]. A pair with an arm absent is skipped."""
+    results = {"grpo_k": [fake("grpo_k", s, 0.0) for s in range(3)],
+               "a": [fake("a", s, g) for s, g in enumerate((0.2, 0.4, 0.6))],
+               "b": [fake("b", s, g) for s, g in enumerate((0.4, 0.4, 0.6))]}
+    text = "\n".join(report.task_report("t", results, k=2, contrasts=(("a", "b"), ("a", "missing"))))
+    assert "| a - b | 3 | -0.100, +0.000, +0.000 | -0.033 | [-0.177, +0.110] | - |" in text
+    assert "missing" not in text
+
+
 def test_probe_band_is_each_runs_own():
     """log c -7.91 (the fact token, untrained) is outside the default band [log 0.01, log 10] and
     inside crm_low=1e-4's; the band's edges belong to it, as in distill.crm_weights."""
