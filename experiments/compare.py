@@ -220,6 +220,7 @@ class Scorer:
     def __init__(self, backend, temperature, max_tokens, dtype=""):  # "": config.default_engine_dtype
         self.backend, self.temperature, self.max_tokens, self.dtype, self.engine = backend, temperature, max_tokens, \
             dtype, None
+        self.loaded = None  # the checkpoint whose weights the engine holds
 
     def __call__(self, checkpoint, sets, seed=0):
         """-> {set name: {"overall", "by_source"}}, [per-problem row] (problem_rows)."""
@@ -231,8 +232,9 @@ class Scorer:
 
         if self.engine is None:
             self.engine = make_rollout(self.backend, checkpoint, seed=seed, dtype=self.dtype or default_engine_dtype())
-        else:
+        elif checkpoint != self.loaded:
             self.engine.push_weights(load_file(os.path.join(checkpoint, "model.safetensors")))
+        self.loaded = checkpoint
         answered = answer_sets(self.engine, [(problems, template, k) for _, problems, template, k in sets],
                                temperature=self.temperature, max_tokens=self.max_tokens, progress=False, seed=seed)
         scores, rows = {}, []

@@ -95,13 +95,15 @@ def check_seed_free(arm, runs):
                              f"differently from seed {first['seed']}: run it on every seed instead")
 
 
-def coverage_range(path):
-    """(t low, t high, bootstrap low, bootstrap high) over the rows of coverage.md's tables, or None."""
-    rows = []
+def coverage_range(path, kind="normal"):
+    """(t low, t high, bootstrap low, bootstrap high) over the rows of coverage.md's tables whose
+    scenario heading is of that kind (stats.SCENARIOS: "**normal: ..." or "**lopsided: ..."), or None."""
+    rows, heading = [], ""
     if os.path.exists(path):
         for line in open(path):
+            heading = line.strip() if line.startswith("**") else heading
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if len(cells) == 3 and cells[0].isdigit():
+            if len(cells) == 3 and cells[0].isdigit() and heading.startswith(f"**{kind}:"):
                 rows.append((float(cells[1]), float(cells[2])))
     if not rows:
         return None
@@ -296,11 +298,14 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
              f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
              f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
     coverage = coverage_range(os.path.join(out, "coverage.md"))
+    lopsided = coverage_range(os.path.join(out, "coverage.md"), "lopsided")
     if coverage:
         lines += [f"Coverage of the 95% intervals on simulated comparisons ([coverage.md](coverage.md), 3 to 20 "
-                  f"seeds): t-interval {coverage[0]:.3f}-{coverage[1]:.3f}, hierarchical bootstrap "
-                  f"{coverage[2]:.3f}-{coverage[3]:.3f} (lowest with few seeds when seed effects dominate), so the "
-                  "t-interval is the one to read.", ""]
+                  f"seeds) with normal seed and problem effects: t-interval {coverage[0]:.3f}-{coverage[1]:.3f}, "
+                  f"hierarchical bootstrap {coverage[2]:.3f}-{coverage[3]:.3f} (lowest with few seeds when seed "
+                  "effects dominate), so the t-interval is the one to read"
+                  + (f"; when a few seeds learn and the rest do not, it covers only {lopsided[0]:.3f}-{lopsided[1]:.3f} "
+                     "over the same seed counts" if lopsided else "") + ".", ""]
     for task_name, results in all_results.items():
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),

@@ -98,32 +98,42 @@ def sign_flip_p(diffs):
 # ----------------------------------------------------------------------------- coverage
 
 
-def simulate(rng, n_seeds, n_problems, mean=0.05, seed_sd=0.03, problem_sd=0.15, noise_sd=0.1):
-    """One simulated comparison: per-problem differences D[s, i] = mean + u_s + v_i + e_si
-    (seed, problem and residual effects, normal) -> (a, b, the t-interval's truth, the
-    bootstrap's truth). b is 0; the t-interval is about these problems (truth mean + mean(v)),
-    the bootstrap about the population they are drawn from (truth mean)."""
+def simulate(rng, n_seeds, n_problems, mean=0.05, seed_sd=0.03, problem_sd=0.15, noise_sd=0.1, learn_p=0.0,
+             learn_effect=0.0):
+    """One simulated comparison: per-problem differences D[s, i] = mean + u_s + L_s + v_i + e_si
+    (seed, problem and residual effects, normal; L_s = learn_effect for a seed that "learns", with
+    probability learn_p, else 0) -> (a, b, the t-interval's truth, the bootstrap's truth). b is 0;
+    the t-interval is about these problems (truth mean + learn_p learn_effect + mean(v)), the
+    bootstrap about the population they are drawn from (without mean(v))."""
     v = rng.normal(0, problem_sd, n_problems)
-    d = mean + rng.normal(0, seed_sd, (n_seeds, 1)) + v + rng.normal(0, noise_sd, (n_seeds, n_problems))
-    return d, np.zeros_like(d), mean + v.mean(), mean
+    learnt = learn_effect * (rng.random((n_seeds, 1)) < learn_p) if learn_p else 0.0  # else: no draw, same stream
+    d = mean + rng.normal(0, seed_sd, (n_seeds, 1)) + learnt + v + rng.normal(0, noise_sd, (n_seeds, n_problems))
+    population = mean + learn_p * learn_effect
+    return d, np.zeros_like(d), population + v.mean(), population
 
 
 def simulate_coverage(n_seeds, n_problems=40, sims=1000, boot=1000, seed=0, **effects):
-    """Fraction of simulated comparisons whose 95% interval holds the truth: {"t": ..., "bootstrap": ...}."""
+    """Fraction of simulated comparisons whose 95% interval holds the truth: {"t": ..., "bootstrap": ...}
+    (boot=0: the t-interval only)."""
     rng = np.random.default_rng(seed)
     hits = {"t": 0, "bootstrap": 0}
     for i in range(sims):
         a, b, t_truth, boot_truth = simulate(rng, n_seeds, n_problems, **effects)
         _, lo, hi = t_interval((a - b).mean(axis=1))
         hits["t"] += lo <= t_truth <= hi
-        _, lo, hi = hierarchical_bootstrap(a, b, n=boot, seed=i)
-        hits["bootstrap"] += lo <= boot_truth <= hi
-    return {k: v / sims for k, v in hits.items()}
+        if boot:
+            _, lo, hi = hierarchical_bootstrap(a, b, n=boot, seed=i)
+            hits["bootstrap"] += lo <= boot_truth <= hi
+    return {k: v / sims for k, v in hits.items() if boot or k == "t"}
 
 
 SCENARIOS = {  # name -> simulate()'s effects
-    "problems dominate (seed sd 0.03, problem sd 0.15)": {"seed_sd": 0.03, "problem_sd": 0.15},
-    "seeds dominate (seed sd 0.06, problem sd 0.02)": {"seed_sd": 0.06, "problem_sd": 0.02},
+    # "normal:" or "lopsided:" (a kind report.coverage_range reads)
+    "normal: problems dominate (seed sd 0.03, problem sd 0.15)": {"seed_sd": 0.03, "problem_sd": 0.15},
+    "normal: seeds dominate (seed sd 0.06, problem sd 0.02)": {"seed_sd": 0.06, "problem_sd": 0.02},
+    # no CRM on made-up units: one seed in five learnt the rule (+0.15), the others stayed at the floor
+    "lopsided: one seed in five learns (+0.15 with probability 0.2; seed sd 0.005, problem sd 0.02)":
+        {"seed_sd": 0.005, "problem_sd": 0.02, "learn_p": 0.2, "learn_effect": 0.15},
 }
 
 
@@ -134,7 +144,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     lines = ["# Coverage of the report's 95% intervals (simulated)", "",
              f"`python experiments/stats.py --sims={args.sims}`: per-problem differences D[s, i] = 0.05 + seed "
-             "effect + problem effect + noise (sd 0.1), 40 problems, normal effects. The t-interval's truth is "
+             "effect + problem effect + noise (sd 0.1), 40 problems, normal effects (and, in the last scenario, "
+             "a seed effect that is +0.15 or 0). The t-interval's truth is "
              "the mean over the problems scored, the bootstrap's the population mean. Binomial standard error "
              f"of each figure about {math.sqrt(0.95 * 0.05 / args.sims):.3f}.", ""]
     for name, effects in SCENARIOS.items():

@@ -286,11 +286,14 @@ def test_run_command_names_the_settings_every_run_shared():
         "python experiments/compare.py --tasks=natural --budget=30000"
 
 
-def test_coverage_range_reads_both_tables(tmp_path):
+def test_coverage_range_reads_the_tables_of_its_kind(tmp_path):
     path = tmp_path / "coverage.md"
-    path.write_text("# x\n\n| seeds | t-interval | hierarchical bootstrap |\n|---|---|---|\n| 3 | 0.955 | 0.938 |\n"
-                    "| 5 | 0.948 | 0.949 |\n\n**b**\n\n| seeds | t | b |\n|---|---|---|\n| 3 | 0.959 | 0.837 |\n")
+    path.write_text("# x\n\n**normal: a**\n\n| seeds | t-interval | hierarchical bootstrap |\n|---|---|---|\n"
+                    "| 3 | 0.955 | 0.938 |\n| 5 | 0.948 | 0.949 |\n\n**normal: b**\n\n| seeds | t | b |\n|---|---|---|\n"
+                    "| 3 | 0.959 | 0.837 |\n\n**lopsided: c**\n\n| seeds | t | b |\n|---|---|---|\n| 5 | 0.709 | 0.650 |\n"
+                    "| 20 | 0.931 | 0.900 |\n")
     assert report.coverage_range(str(path)) == (0.948, 0.959, 0.837, 0.949)
+    assert report.coverage_range(str(path), "lopsided") == (0.709, 0.931, 0.650, 0.900)
     assert report.coverage_range(str(tmp_path / "none.md")) is None
 
 

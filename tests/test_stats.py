@@ -82,3 +82,14 @@ def test_hierarchical_bootstrap_covers_with_many_seeds():
     """The percentile bootstrap is asymptotic: with 20 seeds its coverage nears 0.95."""
     coverage = stats.simulate_coverage(20, sims=600, boot=500)
     assert 0.91 <= coverage["bootstrap"] <= 0.98
+
+
+def test_t_interval_undercovers_when_one_seed_in_five_learns():
+    """Lopsided seed effects (+0.15 with probability 0.2, else 0): with 5 seeds, none learns with
+    probability 0.8^5 = 0.33, and then the interval sits around 0.05, well below the truth 0.08,
+    so coverage is near 1 - 0.33 = 0.67, far from 0.95 (1,000 runs: sd 0.015); with 20 seeds a
+    learner is almost always drawn (0.8^20 = 0.01) and coverage returns towards 0.95."""
+    effects = {"seed_sd": 0.005, "problem_sd": 0.02, "learn_p": 0.2, "learn_effect": 0.15}
+    five = stats.simulate_coverage(5, sims=1000, boot=0, **effects)["t"]
+    twenty = stats.simulate_coverage(20, sims=1000, boot=0, **effects)["t"]
+    assert 0.6 <= five <= 0.8 and 0.9 <= twenty <= 0.97
