@@ -1,4 +1,5 @@
-"""P²O against its baselines at an equal budget of generated tokens, over seeds, on held-out data: one resumable command.
+"""P²O against its baselines at an equal generated-token budget, over seeds, on held-out data: one resumable
+command.
 
     python experiments/compare.py                      # the default comparison: both tasks, every arm, 3 seeds
     python experiments/compare.py --tasks=fictional --arms=grpo_k,p2o_human --seeds=0,1

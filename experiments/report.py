@@ -178,7 +178,8 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
                   f"1 - 0.05/{family} for the {family} arms compared with it (finished or not), together 95%"
                   + (" (not part of the pre-registration, which set no correction)" if prereg else "")
                   + f"; bootstrap: seeds then problems, nominal 95% percentile (it covers less with few seeds, "
-                  f"coverage.md), shown from {MIN_SEEDS_FOR_BOOT} seeds with per-problem rows; p: exact two-sided sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, "
+                  f"coverage.md), shown from {MIN_SEEDS_FOR_BOOT} seeds with per-problem rows; p: exact two-sided "
+                  f"sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, "
                   f"whose smallest possible value is 2/2^seeds ({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):",
               "", f"| arm | seeds | per-seed differences | mean | t 95% | t, Bonferroni over {family} | bootstrap 95% | p |",
               "|---|---|---|---|---|---|---|---|"]
@@ -304,8 +305,8 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
                   f"seeds) with normal seed and problem effects: t-interval {coverage[0]:.3f}-{coverage[1]:.3f}, "
                   f"hierarchical bootstrap {coverage[2]:.3f}-{coverage[3]:.3f} (lowest with few seeds when seed "
                   "effects dominate), so the t-interval is the one to read"
-                  + (f"; when a few seeds learn and the rest do not, it covers only {lopsided[0]:.3f}-{lopsided[1]:.3f} "
-                     "over the same seed counts" if lopsided else "") + ".", ""]
+                  + (f"; when a few seeds learn and the rest do not, it covers only "
+                     f"{lopsided[0]:.3f}-{lopsided[1]:.3f} over the same seed counts" if lopsided else "") + ".", ""]
     for task_name, results in all_results.items():
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
