@@ -185,9 +185,8 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
               "|---|---|---|---|---|---|---|---|"]
     for arm, s in primaries:
         family_t = t_interval(s["diffs"], 1 - 0.05 / family)[1:] if s["seeds"] >= 2 else None
-        lines.append(f"| {arm} | {s['seeds']}{' (1 run)' if arm in seed_free else ''} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
-                     + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | {fmt_interval(family_t)} | "
-                     + f"{fmt_interval(s['boot'])} | " + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
+        lines.append(paired_row(f"{arm} | {s['seeds']}{' (1 run)' if arm in seed_free else ''}", s,
+                                fmt_interval(s["t"]), fmt_interval(family_t), fmt_interval(s["boot"])))
     secondary = cols[1:]
     if secondary:
         lines += ["", f"Secondary, paired against {BASELINE}: mean [t 95%]:", "",
@@ -198,18 +197,27 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
                 s = paired(runs, base, *c, seed_free=arm in seed_free)
                 cells.append("-" if not s["seeds"] else f"{s['mean']:+.3f} {fmt_interval(s['t'])}")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    contrasts = [(a, b) for a, b in contrasts if a in results and b in results]
-    if contrasts:
-        lines += ["", f"Post hoc (chosen after the runs, not corrected for multiplicity): arms paired with each other "
-                      f"seed by seed, {label(*primary)}, as above:", "",
-                  "| arm - other arm | seeds | per-seed differences | mean | t 95% | p |", "|---|---|---|---|---|---|"]
-        for a, b in contrasts:
-            s = paired(results[a], results[b], *primary)
-            if s["seeds"]:
-                lines.append(f"| {a} - {b} | {s['seeds']} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"])
-                             + f" | {s['mean']:+.3f} | {fmt_interval(s['t'])} | "
-                             + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
-    return lines + [""]
+    return lines + contrast_lines(results, contrasts, primary, label(*primary)) + [""]
+
+
+def paired_row(head, s, *intervals):
+    """A table row of paired(): head (arm and seeds cells), the per-seed differences, the mean,
+    the given interval cells, p."""
+    return (f"| {head} | " + ", ".join(f"{d:+.3f}" for d in s["diffs"]) + f" | {s['mean']:+.3f} | "
+            + "".join(f"{iv} | " for iv in intervals) + ("-" if s["p"] is None else f"{s['p']:.3f}") + " |")
+
+
+def contrast_lines(results, contrasts, primary, primary_label):
+    """The post hoc table: each (arm, other) pair with both arms in results, paired seed by seed
+    on the primary statistic (task_report)."""
+    pairs = [(a, b, paired(results[a], results[b], *primary)) for a, b in contrasts if a in results and b in results]
+    pairs = [(a, b, s) for a, b, s in pairs if s["seeds"]]
+    if not pairs:
+        return []
+    return ["", f"Post hoc (chosen after the runs, not corrected for multiplicity): arms paired with each other "
+                f"seed by seed, {primary_label}, as above:", "",
+            "| arm - other arm | seeds | per-seed differences | mean | t 95% | p |", "|---|---|---|---|---|---|"] + \
+        [paired_row(f"{a} - {b} | {s['seeds']}", s, fmt_interval(s["t"])) for a, b, s in pairs]
 
 
 def probe_report(results):

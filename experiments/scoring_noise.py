@@ -50,7 +50,7 @@ def main(argv=None):
     task, seeds = TASKS[args.task], [int(s) for s in args.seeds.split(",")]
     sets = score_sets(task, load_jsonl(task.test)[0], load_jsonl(task.heldout)[0] if task.heldout else [],
                       first_template(task.seed_templates), args.k, args.k_templated)
-    model = os.path.abspath(args.model) if os.path.exists(args.model) else resolve_model(args.model)
+    model = resolve_model(os.path.abspath(args.model) if os.path.exists(args.model) else args.model)
     scorer = Scorer(args.backend, args.temperature, args.max_tokens, args.dtype)
     scores = {seed: scorer(model, sets, seed=seed)[0] for seed in seeds}
     result = {"task": args.task, "model": args.model, "seeds": seeds, "k": args.k, "k_templated": args.k_templated,

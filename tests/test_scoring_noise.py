@@ -50,6 +50,7 @@ def test_scores_per_seed_and_their_spread(tmp_path, monkeypatch):
     out = tmp_path / "noise.json"
     model = tmp_path / "model"
     model.mkdir()
+    (model / "config.json").write_text("{}")  # resolve_model checks that a folder is a model
     assert scoring_noise.main(["--task=fictional", f"--model={model}", "--seeds=0,1,3", "--k=4", "--k_templated=2",
                                "--backend=hf", f"--out={out}"]) == 0
     result = json.loads(out.read_text())
