@@ -212,11 +212,11 @@ AT_LEAST = {  # setting -> smallest allowed value
     "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
     "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
     "head_chunk": 1, "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
-    "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0,
+    "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0, "lora_rank": 0, "lora_dropout": 0.0,
 }
 POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
-            "reflector_timeout")  # > 0
-BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2")  # < 1
+            "reflector_timeout", "lora_alpha", "lora_lr_scale")  # > 0
+BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2", "lora_dropout")  # < 1
 AT_MOST_ONE = ("top_p", "gpu_memory_utilization")  # <= 1
 
 
@@ -242,6 +242,8 @@ def check_config(cfg, models=True):
         raise SystemExit("--fix_importance_ratio acts on distilled rows; it needs --context_distill=True")
     if cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean":
         raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
+    if cfg.lora_rank and not cfg.lora_targets.strip():
+        raise SystemExit("--lora_targets is all-linear or a comma list of linear layers (e.g. q_proj,v_proj), got ''")
     if not cfg.reflector:
         raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)

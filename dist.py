@@ -268,8 +268,9 @@ def cpu_snapshot(model, optimizer):
     """This rank's parameters (under FSDP2: its shards) and optimizer state, copied into CPU
     memory: what train.policy_update puts back when a later optimizer step of a call is not
     finite. A copy on the GPU would hold weights + AdamW moments twice (48 GB more for a 4B
-    model on one GPU); a CPU copy costs a device-to-host transfer per call of several steps."""
-    params = [_local(p.detach()).to("cpu", copy=True) for p in model.parameters()]
+    model on one GPU); a CPU copy costs a device-to-host transfer per call of several steps.
+    Only trained parameters are copied (LoRA: the adapters; a frozen base never changes)."""
+    params = [_local(p.detach()).to("cpu", copy=True) for p in model.parameters() if p.requires_grad]
     return params, optimizer_state(optimizer, copy=True)
 
 
@@ -278,7 +279,7 @@ def restore_snapshot(model, optimizer, snapshot):
     """Put cpu_snapshot's parameters and optimizer state back, in place (an empty optimizer
     state, before the first step, becomes empty again)."""
     params, state = snapshot
-    for p, saved in zip(model.parameters(), params):
+    for p, saved in zip([p for p in model.parameters() if p.requires_grad], params, strict=True):
         _local(p).copy_(saved)
     load_optimizer_state(optimizer, state)
 

@@ -107,19 +107,25 @@ def pad_token_id(tokenizer):
 
 
 def require_model_folder(path, label):
-    """A path that exists must be an HF model folder (with config.json): else one line, `label` first."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"{label}: not a model folder (no config.json); a run's checkpoints are "
-                         "runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
+    """A path that exists must be an HF model folder (with config.json) or a LoRA adapter folder
+    (adapter_config.json: a LoRA run's checkpoints): else one line, `label` first."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        raise SystemExit(f"{label}: not a model folder (no config.json) nor an adapter folder (no adapter_config.json); "
+                         "a run's checkpoints are runs/<run>/ckpt-NNNNNN, runs/<run>/latest and runs/<run>/best")
 
 
 def resolve_model(name_or_path=DEFAULT_MODEL):
     """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept. A path that
-    exists must be a model folder (with config.json), e.g. runs/<run>/latest; anything else that
-    exists is a clear error here rather than a parse error deep inside transformers."""
+    exists must be a model folder (with config.json), e.g. runs/<run>/latest, or a LoRA adapter
+    folder (a LoRA run's checkpoint), which is merged into its base once (lora.merged_folder);
+    anything else that exists is a clear error here rather than a parse error deep inside transformers."""
     if name_or_path != DEFAULT_MODEL:
         if os.path.exists(name_or_path):
             require_model_folder(name_or_path, name_or_path)
+            from lora import is_adapter_folder, merged_folder  # lazy: peft is imported only for adapters
+
+            if is_adapter_folder(name_or_path):
+                return merged_folder(name_or_path)
         return name_or_path
     out_dir = os.path.join(cache_root(), CACHE_NAME)
     if not os.path.isdir(out_dir):

@@ -491,7 +491,8 @@ class EngineReflector:
     `engine` answers as it is (the training engine: the current policy; another model's
     engine: a teacher), or, with `swap` (a state dict, e.g. the frozen starting weights), holds
     `swap` for the call and `restore` (the policy's state dict) again after it, even when the
-    call fails. By default (prefill, stop None) the answer is prefilled with gepa's opening
+    call fails. Either may instead be a function returning (name, tensor) pairs, called at each
+    push (a LoRA policy streams its weights merged, or its base alone, with no copy held). By default (prefill, stop None) the answer is prefilled with gepa's opening
     delimiter and stops at the closing one: a small reflector rarely writes the delimiters by
     itself. gepa.reflector_framing(cfg) gives both per --reflect_prompt; the official prompt's
     (prefill "", stop []) sends the prompt as the one user message and reads the whole reply.
@@ -515,10 +516,10 @@ class EngineReflector:
         # an engine that holds the policy's own tensors (the HF backend in one process) would lose
         # them to the swap: put back a copy. vLLM copies what it is pushed: `restore` as it is
         current = self.restore
-        if self.swap is not None and getattr(self.engine, "shares_weights", False):
+        if self.swap is not None and getattr(self.engine, "shares_weights", False) and isinstance(current, dict):
             current = {k: v.detach().clone() for k, v in self.restore.items()}
         if self.swap is not None:
-            self.engine.push_weights(self.swap)
+            self.engine.push_weights(self.swap() if callable(self.swap) else self.swap)
         # an empty prefill sends no assistant turn at all: an empty one would be continued, not opened
         prefill = [{"role": "assistant", "content": self.prefill}] if self.prefill else []
         try:
@@ -527,7 +528,7 @@ class EngineReflector:
                 n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed, stop=self.stop or None)
         finally:
             if self.swap is not None:
-                self.engine.push_weights(current)
+                self.engine.push_weights(current() if callable(current) else current)
         self.seed += len(prompts)
         self.counts["reflection_tokens"] += sum(len(g[0].response_ids) for g in out)
         self.counts["reflection_prefill_tokens"] += sum(len(g[0].prompt_ids) for g in out)
@@ -624,13 +625,16 @@ def remote_reflector(cfg):
     return cfg.reflector.startswith(("http://", "https://"))
 
 
-def make_reflector(cfg, engine, model_path, weights, counts):
+def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
     """The reflector --reflector names, for one GEPA round of train.py (docs/METHOD.md "GEPA"):
     an http(s) server (Teacher-Ref over the OpenAI API), `init` (the frozen starting weights,
     swapped into the training engine for the reflection calls, then `weights`, the policy's full
     state dict, put back: Self-Ref), `policy` (the training engine as it is), or another local
     model (its own engine). `cfg`: train.Config. Its seeds continue from the run's count of
-    reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt."""
+    reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt.
+    `initial`: the starting weights for Self-Ref (a state dict, or a function giving (name,
+    tensor) pairs, as `weights` may be: a LoRA policy's base with its adapters off); None: loaded
+    from model_path."""
     from gepa import reflector_framing  # gepa imports nothing of ours but verify; lazy all the same
 
     seed = cfg.seed * 7 + counts["reflection_calls"]
@@ -643,8 +647,9 @@ def make_reflector(cfg, engine, model_path, weights, counts):
             raise SystemExit(str(e)) from None
     settings.update(reflector_framing(cfg))
     if cfg.reflector == "init":
-        from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
-        initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+        if initial is None:
+            from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
+            initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
         return EngineReflector(engine, swap=initial, restore=weights, **settings)
     if cfg.reflector == "policy":
         return EngineReflector(engine, **settings)

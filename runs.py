@@ -1,14 +1,17 @@
 """Where a run's files live and how they are written: checkpoints, resume, logs, the closing summary.
 
     runs/<run_name>/
-        ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is)
+        ckpt-000010/          an HF model folder (eval.py, vLLM and transformers load it as is),
+                              or with --lora_rank a PEFT adapter folder (adapter_config.json +
+                              adapter_model.safetensors: MBs; eval.py merges it into its base)
                               + train_config.json (the settings, which eval.py inherits)
                               + trainer.pt: config, loop state, optimizer, scheduler, RNG states
                               (under torchrun the optimizer shard and RNG states of rank R
                               are in rank-R.pt beside it)
         latest, best          symlinks to the newest / best-dev checkpoint (model folders too);
                               the newest --keep_checkpoints (2) and `best` are kept
-        export-000010/        --export_every: the model alone in bf16 + train_config.json (for eval.py)
+        export-000010/        --export_every: the model alone in bf16 + train_config.json (for eval.py);
+                              LoRA: the merged model, and its adapters in export-000010/adapter/
         metrics.jsonl         one line per step        rollouts.jsonl   a sample of groups per step
         dev.jsonl             one line per dev eval    tb/              TensorBoard events
         gepa-epoch-N.json     one GEPA round           abandoned/       what a resume set aside
@@ -37,11 +40,13 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import dist
+import lora
 from model import atomic_directory
 from plot import plot_run
 
 
 TRAIN_CONFIG = "train_config.json"
+LORA_EXPORT = "adapter"  # export-NNNNNN/adapter/: a LoRA run's adapters beside the merged model
 
 
 def checkpoint_step(name, prefix="ckpt"):
@@ -74,7 +79,10 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
             write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
         else:
             with atomic_directory(path) as tmp:
-                policy.save_pretrained(tmp, safe_serialization=True)
+                if lora.is_lora(policy):
+                    lora.save_adapter(policy, lora.adapter_state(policy), tmp)
+                else:
+                    policy.save_pretrained(tmp, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
                 write_train_config(tmp, trainer["config"])
                 torch.save(trainer, os.path.join(tmp, "trainer.pt"))
@@ -88,7 +96,8 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
             write_train_config(path, trainer["config"])
             write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
     else:
-        weights = dist.full_state_dict(policy, main_only=True)  # a collective; rank 0 writes them, from CPU memory
+        adapted = lora.is_lora(policy)  # a collective either way; rank 0 writes them, from CPU memory
+        weights = lora.adapter_state(policy) if adapted else dist.full_state_dict(policy, main_only=True)
         tmp = os.path.join(run_dir, f".partial-{name}")  # a name every rank knows
         if dist.is_main():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -97,7 +106,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
         torch.save(own, os.path.join(tmp, own_file))
         dist.barrier()
         if dist.is_main():
-            save_model(policy, weights, tmp)
+            lora.save_adapter(policy, weights, tmp) if adapted else save_model(policy, weights, tmp)
             tokenizer.save_pretrained(tmp)
             write_train_config(tmp, trainer["config"])
             torch.save(trainer, os.path.join(tmp, "trainer.pt"))
@@ -113,16 +122,23 @@ def save_export(run_dir, step, policy, tokenizer, config):
     folder for eval.py, vLLM and transformers at a sixth of a checkpoint's size (2 bytes a
     parameter against 4 for the fp32 master weights + 8 for AdamW's moments); written atomically, never pruned. Resuming needs the
     checkpoints; exports are for evaluation. Under torchrun every rank calls it (the weights
-    are gathered, a collective) and rank 0 writes."""
+    are gathered, a collective) and rank 0 writes. A LoRA policy's export is its merged weights
+    (lora.engine_weights: what the engine holds) with the adapter folder in adapter/."""
     path = os.path.join(run_dir, f"export-{step:06d}")
     if os.path.isdir(path):  # this branch's weights of that step (start_branch set later ones aside)
         return path
-    weights = dist.full_state_dict(policy, main_only=True) if dist.active() else policy.state_dict()
+    adapters = lora.adapter_state(policy) if lora.is_lora(policy) else None  # collectives under FSDP2
+    if adapters is not None:  # the merged weights, one at a time (every rank consumes them; rank 0 keeps them)
+        weights = {k: v.to("cpu") for k, v in lora.engine_weights(policy, torch.bfloat16) if dist.is_main()}
+    else:
+        weights = dist.full_state_dict(policy, main_only=True) if dist.active() else policy.state_dict()
     if dist.is_main():
         with atomic_directory(path) as tmp:
             save_model(policy, {k: v.to(torch.bfloat16) for k, v in weights.items()}, tmp, dtype="bfloat16")
             tokenizer.save_pretrained(tmp)
             write_train_config(tmp, config)
+            if adapters is not None:  # beside the merged model, the adapters for peft and vLLM's LoRA loader
+                lora.save_adapter(policy, adapters, os.path.join(tmp, LORA_EXPORT))
     dist.barrier()
     return path
 

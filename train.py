@@ -63,6 +63,7 @@ import dist
 import distill
 import gepa
 import grpo
+import lora
 from data import PromptStream
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model, use_packed_flex
@@ -168,6 +169,12 @@ class Config:
     autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
     cpu_fp32_fallback: bool = True  # a CPU without bf16 instructions (no AVX512-BF16/AMX): fp32 engine and forward
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    # ---- LoRA (lora.py): a frozen base in the training dtype, trained fp32 adapters, merged weights pushed
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank instead of every weight (0 = full fine-tuning)
+    lora_alpha: int = 32  # adapters scale by lora_alpha / lora_rank (LoRA without regret: 32 at any rank)
+    lora_targets: str = "all-linear"  # all-linear: every linear layer of the decoder | a comma list, e.g. q_proj,v_proj
+    lora_dropout: float = 0.0  # dropout on the adapters' input, in the training forward only
+    lora_lr_scale: float = 10.0  # LoRA trains at lr x this (LoRA without regret: ~10x full fine-tuning's best lr)
     max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
     # ---- schedule and outputs
     epochs: int = 2  # passes over train_data (P²O needs 2: GEPA after epoch 0, templates in epoch 1)
@@ -434,9 +441,10 @@ def pre_update_pass(rows, policy, reference, cfg, pad_id):
             if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:
                 b.old_logp = response_logprobs(policy, ids, attention, mask, cfg.temperature, packed=b.packed,
                                                chunk=cfg.head_chunk)[0]
-            if reference is not None:
-                b.ref_logp = response_logprobs(reference, ids, attention, mask, cfg.temperature, packed=b.packed,
-                                               chunk=cfg.head_chunk)[0]
+            if reference is not None:  # LoRA: the policy itself with its adapters off
+                with lora.adapters_off(reference):
+                    b.ref_logp = response_logprobs(reference, ids, attention, mask, cfg.temperature, packed=b.packed,
+                                                   chunk=cfg.head_chunk)[0]
             batches.append(b)
     return batches
 
@@ -569,6 +577,22 @@ def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
     return gepa.run_gepa(hard_problems, answer, reflect, cfg, rng, reward_fn=reward_fn, seeds=seeds)
 
 
+def self_ref_weights(run):
+    """(the policy's weights, the starting policy's or None) for a Self-Ref round on rank 0: the
+    engine is pushed the second for each reflection and the first back after it. Full training:
+    the policy's full state dict (gathered to rank 0's CPU under FSDP; a collective) and None
+    (make_reflector loads the starting weights). LoRA: both are functions streaming the merged
+    weights and the base alone (adapters off) from the policy itself, no copy in one process;
+    under FSDP from one gather of base and adapters to rank 0."""
+    if not run.cfg.lora_rank:
+        return dist.full_state_dict(run.policy, main_only=True), None
+    named = dist.full_state_dict(run.policy, main_only=True) if dist.active() else None  # collective; rank 0: CPU
+
+    def stream(adapters):
+        return lambda: lora.engine_weights(run.policy, adapters=adapters, named=named.items() if named else None)
+    return stream(True), stream(False)
+
+
 def end_epoch(run, search=True):
     """The epoch in state.epoch is over (search=False: the run is, and no GEPA round follows).
     P²O: with at least gepa_min_hard hard prompts, GEPA evolves templates for them (rank 0; the
@@ -581,12 +605,13 @@ def end_epoch(run, search=True):
         checkpoint(run)
     t = time.perf_counter()
     self_ref = due and run.reflector is None and cfg.reflector == "init"  # the policy goes back after each reflection
-    weights = dist.full_state_dict(run.policy, main_only=True) if self_ref else None  # collective; rank 0: CPU
+    weights, initial = self_ref_weights(run) if self_ref else (None, None)
     if run.is_main and cfg.algo == "p2o":
         summary, result = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}, None
         if due:
             tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
-            reflector = run.reflector or make_reflector(cfg, run.engine, run.model_path, weights, state.counts)
+            reflector = run.reflector or make_reflector(cfg, run.engine, run.model_path, weights, state.counts,
+                                                        initial)
             result = gepa_round(cfg, state.epoch, [run.by_id[i] for i in state.hard_now], run.engine, reflector,
                                 state.counts, run.reward_fn)
             summary.update(ran=True, seconds=time.perf_counter() - t, **result.summary())
@@ -610,11 +635,23 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
     the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
     weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
-    rank has its own engine; an HF engine then holds its own unsharded copy of the weights."""
+    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
+
+    LoRA (lora_rank > 0): the policy is cfg.model's weights, frozen in the training dtype, with
+    fp32 adapters (a checkpoint's, on resume); the reference is the policy itself, read with its
+    adapters off (no second copy); the engine starts from the base and is pushed the merged
+    weights when the adapters are not zero."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+    if cfg.lora_rank:
+        base_dtype = torch.bfloat16 if cfg.autocast_bf16 else torch.float32  # the dtype the forward computes in
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=base_dtype).to(device)
+        lora.add_adapters(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, base_dtype)
+        if weights_path != model_path:
+            lora.load_adapter(policy, weights_path)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
     if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
         use_packed_flex(policy)
     attention = policy.config._attn_implementation
@@ -628,26 +665,36 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forward
     policy = dist.shard(policy, forward_methods=("selected_logprobs",))
     reference = None
-    if cfg.kl_beta > 0:
+    if cfg.kl_beta > 0 and cfg.lora_rank:
+        reference = policy  # pre_update_pass reads it with lora.adapters_off: the frozen base
+    elif cfg.kl_beta > 0:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         reference.requires_grad_(False)
         if policy.config._attn_implementation == grpo.PACKED_FLEX:
             use_packed_flex(reference)
+    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
+    if engine is None:
+        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
     if engine is None and cfg.backend == "hf":
-        shared = None if dist.active() else policy  # one process: the engine shares the policy's weights
-        engine = HFRollout(weights_path, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
+        shared = None if dist.active() or cfg.lora_rank else policy  # one process: the engine shares the policy's weights
+        engine = HFRollout(holds, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
                            rank=dist.rank())
         engine.model.to(device)
     elif engine is None:
-        engine = make_rollout(cfg.backend, weights_path, dtype=cfg.engine_dtype, seed=cfg.seed,
+        engine = make_rollout(cfg.backend, holds, dtype=cfg.engine_dtype, seed=cfg.seed,
                               max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
                               kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                               sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
                               chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
                               progress_bars=cfg.verbose, rank=dist.rank())
-    elif weights_path != model_path:  # a given engine holds cfg.model's weights; a resume moved on
-        engine.push_weights(dist.full_parameters(policy, getattr(engine, "dtype", None)))
+    if holds != weights_path:  # a resume moved on from what the engine holds
+        engine.push_weights(lora.engine_weights(policy, getattr(engine, "dtype", None)))
     return policy, reference, tokenizer, engine
+
+
+def learning_rate(cfg):
+    """The optimizer's lr: --lr, times --lora_lr_scale when LoRA trains (adapters need a larger step)."""
+    return cfg.lr * (cfg.lora_lr_scale if cfg.lora_rank else 1.0)
 
 
 def warmup_factor(warmup_steps, from_zero, step):
@@ -670,9 +717,10 @@ def restore(saved, own, optimizer, scheduler, warmup, cfg):
     optimizer's saved copies of them."""
     dist.load_optimizer_state(optimizer, own["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    lr = learning_rate(cfg)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
     for g in optimizer.param_groups:
-        g.update(lr=cfg.lr * warmup(scheduler.last_epoch), initial_lr=cfg.lr, eps=cfg.adam_eps,
+        g.update(lr=lr * warmup(scheduler.last_epoch), initial_lr=lr, eps=cfg.adam_eps,
                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     random.setstate(own["rng"]["python"])
     np.random.set_state(own["rng"]["numpy"])
@@ -769,8 +817,13 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
                                                        train_set + dev_set, chat_kwargs)
     if device.type == "cuda":  # vLLM left torch one CPU thread (checksums, the CPU snapshot, tokenising)
         torch.set_num_threads(cpu_threads(cfg.cpu_threads))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters; the base has no state
+    optimizer = torch.optim.AdamW(trained, lr=learning_rate(cfg), betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if is_main and cfg.lora_rank:
+        total = sum(p.numel() for p in policy.parameters())  # under FSDP2 the global sizes (DTensors)
+        print(f"LoRA: rank {cfg.lora_rank}, alpha {cfg.lora_alpha} on {', '.join(lora.targets_of(policy))}: "
+              f"{sum(p.numel() for p in trained):,} trained parameters of {total:,}; lr {learning_rate(cfg):g}")
     warmup = functools.partial(warmup_factor, cfg.warmup_steps, cfg.warmup_from_zero)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 
@@ -866,7 +919,7 @@ def train_step(run):
         state.bad_steps = 0
         run.scheduler.step()
     if (update.finite and update.trained_rows) or getattr(engine, "sleep_level", 0) == 2:  # level 2 dropped its weights
-        engine.push_weights(dist.full_parameters(run.policy, getattr(engine, "dtype", None)))  # verified: raises on a mismatch
+        engine.push_weights(lora.engine_weights(run.policy, getattr(engine, "dtype", None)))  # verified: raises on a mismatch
     if not update.finite:  # a NaN/inf loss or gradient: the update left no trace; count it
         state.bad_steps += 1
         state.skipped_steps += 1

