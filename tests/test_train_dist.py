@@ -1,7 +1,7 @@
 """train.py under torchrun: 2 CPU processes (gloo, FSDP2, gradient checkpointing) train exactly what 1
 process trains on the same global batch (uneven response lengths, DAPO refills, 2 mini-batches, KL,
 templated P²O steps with CRM), hold identical P²O state, push full weights, and resume exactly at
-world size 2; and the real path with two vLLM engines."""
+world size 2; the same with LoRA adapters (merged pushes); and the real path with two vLLM engines."""
 
 import json
 import os
@@ -157,7 +157,59 @@ def test_resuming_at_another_world_size_is_a_clear_error(runs, capsys):
         train.train(cfg, engine=object())
 
 
-def test_train_py_under_torchrun_with_vllm_engines(tmp_path, model_path):
+@pytest.fixture(scope="module")
+def lora_runs(runs):
+    """The same P²O run (KL to adapters off included) with LoRA adapters: alone, under torchrun,
+    and resumed at world size 2; plus one in bf16 autocast (a bf16 base beside fp32 adapters in FSDP2's groups)."""
+    tmp, data, tiny = runs["tmp"], runs["data"], runs["tiny"]
+    lora = dict(lora_rank=4, lora_alpha=8)
+    one = launch(tmp, "lora-one", config(tiny, data, tmp / "lora-one", **lora), 1)
+    two = launch(tmp, "lora-two", config(tiny, data, tmp / "lora-two", gradient_checkpointing=True, **lora), 2)
+    resumed = launch(tmp, "lora-resumed", config(tiny, data, tmp / "lora-resumed", gradient_checkpointing=True,
+                                                 resume=str(two / "run" / "ckpt-000002"), **lora), 2)
+    bf16 = launch(tmp, "lora-bf16", config(tiny, data, tmp / "lora-bf16", autocast_bf16=True, max_steps=2, **lora), 2)
+    return {"one": one, "two": two, "resumed": resumed, "bf16": bf16}
+
+
+def adapters(out, name=FINAL):
+    return load_file(os.path.join(out, "run", name, "adapter_model.safetensors"))
+
+
+def test_lora_under_fsdp2_trains_what_one_process_trains_and_every_engine_gets_the_merged_weights(lora_runs, tiny_model):
+    import lora
+
+    one, two = adapters(lora_runs["one"]), adapters(lora_runs["two"])
+    assert sorted(one) == sorted(two) and max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 1e-3
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=PARAM_ATOL, rtol=0)
+    base = load_file(os.path.join(tiny_model, "model.safetensors"))
+    pushed = [ended(lora_runs["two"], rank)["pushed"] for rank in (0, 1)]
+    assert pushed[0].keys() == pushed[1].keys() and all(torch.equal(pushed[0][k], pushed[1][k]) for k in pushed[0])
+    alone = ended(lora_runs["one"])["pushed"]
+    for k, v in pushed[0].items():  # W + (alpha/r) B A of the final adapters, the base untouched
+        if k.endswith("proj.weight"):
+            prefix = "base_model.model." + k[:-len(".weight")]
+            want = base[k] + 2.0 * two[f"{prefix}.lora_B.weight"] @ two[f"{prefix}.lora_A.weight"]
+            torch.testing.assert_close(v, want, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(v, base[k]), k
+        torch.testing.assert_close(v, alone[k], atol=PARAM_ATOL, rtol=0)
+    assert not any(lora.is_adapter(k) or ".base_layer" in k for k in pushed[0])
+    assert without_times(ended(lora_runs["two"])["state"]) == without_times(ended(lora_runs["one"])["state"])
+
+
+def test_lora_resume_at_world_size_two_is_exact_and_bf16_bases_shard(lora_runs):
+    a, b = adapters(lora_runs["resumed"]), adapters(lora_runs["two"])
+    assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    assert without_times(ended(lora_runs["resumed"])["state"]) == without_times(ended(lora_runs["two"])["state"])
+    pushed = ended(lora_runs["bf16"])["pushed"]  # the scripted engine takes what comes: merged fp32, the rest bf16
+    assert pushed["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+    assert pushed["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16
+    assert ended(lora_runs["bf16"])["state"]["step"] == 2
+
+
+@pytest.mark.parametrize("lora_flags", [[], ["--lora_rank=8"]], ids=["full", "lora"])
+def test_train_py_under_torchrun_with_vllm_engines(tmp_path, model_path, lora_flags):
     """The real path: `torchrun --nproc_per_node=2 train.py` on the default model, each rank with
     its own in-process vLLM engine (external_launcher), one step (DAPO refills until some group
     varies, so the step trains), weights pushed (verified) into both engines, a sharded dev evaluation, the checkpoint written by rank 0, a clean exit."""
@@ -165,7 +217,7 @@ def test_train_py_under_torchrun_with_vllm_engines(tmp_path, model_path):
            "--max_steps=1", "--prompts_per_step=4", "--group_size=4", "--max_tokens=96", "--eval_every=0",
            "--dynamic_sampling=True",
            "--eval_k=0", "--save_every=0", "--dev_data=" + str(write_dev(tmp_path)), f"--out_dir={tmp_path}",
-           "--run_name=v", "--lr=1e-4"]
+           "--run_name=v", "--lr=1e-4", *lora_flags]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -174,6 +226,11 @@ def test_train_py_under_torchrun_with_vllm_engines(tmp_path, model_path):
     assert m["step"] == 1 and m["trained_rows"] > 0
     assert [json.loads(line)["step"] for line in open(run / "dev.jsonl")] == [0, 1]
     assert "2 processes" in proc.stdout and "dev greedy accuracy" in proc.stdout
+    if lora_flags:  # a push of merged weights verified in both engines; the checkpoint holds the adapters
+        assert "LoRA: rank 8" in proc.stdout
+        trained = load_file(str(run / "ckpt-000001" / "adapter_model.safetensors"))
+        assert max(v.abs().max().item() for k, v in trained.items() if "lora_B" in k) > 0
+        return
     trained = load_file(str(run / "ckpt-000001" / "model.safetensors"))
     start = load_file(os.path.join(model_path, "model.safetensors"))
     assert max((trained[k] - start[k]).abs().max().item() for k in trained) > 0
