@@ -1,6 +1,6 @@
 """Child process for tests/test_train_crash.py: a tiny P²O run that can SIGKILL itself at a chosen point.
 
-    python tests/crash_child.py --model=DIR --data=FILE --out=DIR [--resume] [--kill=POINT] [--slow=SECONDS]
+    python tests/crash_child.py --model=DIR --data=FILE --out=DIR [--resume] [--kill=POINT] [--slow=SECONDS] [--lora]
 
 Kill points (each a real `os.kill(os.getpid(), signal.SIGKILL)`):
     partial-N   inside the Nth torch.save into a `.partial-*` checkpoint folder of this process,
@@ -118,7 +118,8 @@ def config(args):
         prompts_per_step=3, group_size=4, max_tokens=6, temperature=1.0, micro_batch_size=5, lr=1e-3,
         warmup_steps=1, eval_every=0, epochs=2, max_steps=0, save_every=3, keep_checkpoints=0, autocast_bf16=False, seed=5,
         tau=2, gepa_min_hard=1, gepa_budget=30, gepa_parents=3, gepa_minibatch=1,
-        out_dir=args.out, run_name=RUN_NAME, resume="auto" if args.resume else "")
+        out_dir=args.out, run_name=RUN_NAME, resume="auto" if args.resume else "",
+        lora_rank=4 if args.lora else 0, lora_alpha=8)
 
 
 def main():
@@ -129,6 +130,7 @@ def main():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill", default="")
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (rank 4) instead of every weight")
     args = parser.parse_args()
     torch.set_num_threads(1)
     point, _, number = args.kill.partition("-")

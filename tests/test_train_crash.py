@@ -1,4 +1,4 @@
-"""Crash safety: a tiny P²O run SIGKILLed in a GEPA round, in trainer.pt's replacement, mid-step and in a checkpoint folder's write resumes (--resume=auto) to the uninterrupted run's end state."""
+"""Crash safety: a tiny P²O run SIGKILLed in a GEPA round, in trainer.pt's replacement, mid-step and in a checkpoint folder's write resumes (--resume=auto) to the uninterrupted run's end state; a LoRA run too."""
 
 import json
 import os
@@ -208,3 +208,36 @@ def test_no_unfinished_write_left_in_the_run_folder(chain):
 
 def test_no_unfinished_write_left_inside_checkpoints(chain):
     assert unfinished(chain[0], recursive=True) == []
+
+
+@pytest.fixture(scope="module")
+def lora_chain(tiny_model, data_file, tmp_path_factory):
+    """A LoRA run (adapters only in each checkpoint) uninterrupted, and one killed in the GEPA round
+    and inside a checkpoint write, each resumed with --resume=auto."""
+    ref_out, out = tmp_path_factory.mktemp("lora-reference"), tmp_path_factory.mktemp("lora-chain")
+    log = str(out / "child.log")
+    assert run_child(str(ref_out), tiny_model, data_file, log, "--lora") == 0, tail(log)
+    assert run_child(str(out), tiny_model, data_file, log, "--lora", "--kill=gepa-2") == -9, tail(log)
+    assert run_child(str(out), tiny_model, data_file, log, "--lora", "--resume", "--kill=partial-1") == -9, tail(log)
+    partial = sorted(f for n in os.listdir(out / RUN) if n.startswith(".partial-") for f in os.listdir(out / RUN / n))
+    assert run_child(str(out), tiny_model, data_file, log, "--lora", "--resume") == 0, tail(log)
+    return str(ref_out / RUN), str(out / RUN), partial
+
+
+def test_a_lora_run_killed_and_resumed_ends_as_the_uninterrupted_one(lora_chain):
+    reference, run_dir, partial = lora_chain
+    assert {"adapter_model.safetensors", "trainer.pt"} <= set(partial) and "model.safetensors" not in partial
+    assert read_latest(reference) == read_latest(run_dir) == FINAL
+    want, got = (load_file(os.path.join(d, FINAL, "adapter_model.safetensors")) for d in (reference, run_dir))
+    assert want.keys() == got.keys() and max(v.abs().max().item() for k, v in want.items() if "lora_B" in k) > 0
+    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
+    a, b = trainer_state(reference), trainer_state(run_dir)
+    for key in ("step", "consumed", "epoch", "hard_now", "assignment", "counts"):
+        assert a["loop"][key] == b["loop"][key], key
+    assert len(a["optimizer"]["state"]) == len(want)  # the adapters' moments, nothing of the base
+    for k in a["optimizer"]["state"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert (a["optimizer"]["state"][k][name] - b["optimizer"]["state"][k][name]).abs().max().item() <= 1e-6
+    for x, y in zip(metrics_lines(reference), metrics_lines(run_dir), strict=True):
+        assert x["step"] == y["step"] and x["grad_norm"] == pytest.approx(y["grad_norm"], abs=1e-6)
+    assert unfinished(run_dir, recursive=True) == []
