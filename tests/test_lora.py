@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import lora
 import train
-from rollout import WeightPushError
+from rollout import WeightPushError, named_tensors
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]  # token ids (any ids of the tokenizer do for a random model)
 RESPONSES = [[8, 9, 10], [11, 12, 13, 14, 15]]
@@ -256,3 +256,59 @@ def test_a_lora_push_into_vllm_is_verified_and_the_engine_samples_from_the_adapt
         vllm_engine.push_weights(hf_model.state_dict())
     again = vllm_engine.generate(CHAT, n=1, temperature=1.0, max_tokens=12, logprobs=True, seed=4)
     assert [g[0].logprobs for g in again] == [g[0].logprobs for g in base]
+
+
+class SpyEngine:
+    """The session's vLLM engine, recording one targeted weight of every push (what the engine was given).
+    Greedy answers (GEPA's) are marked so that the scripted reward fails them: the round has failures to reflect on."""
+
+    def __init__(self, engine):
+        self.engine, self.q_proj = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, **kw):
+        groups = self.engine.generate(prompts, **kw)
+        if kw.get("temperature") == 0:
+            for s in (s for g in groups for s in g):
+                s.text += " <greedy>"
+        return groups
+
+    def push_weights(self, weights):
+        def watch():
+            for name, tensor in named_tensors(weights):
+                if name == "model.layers.0.self_attn.q_proj.weight":
+                    self.q_proj.append(tensor.detach().float().clone())
+                yield name, tensor
+        return self.engine.push_weights(watch())
+
+
+def test_a_short_p2o_run_with_lora_on_the_shipped_model_with_a_self_ref_gepa_round(vllm_engine, hf_model,
+                                                                                   model_path, tmp_path):
+    """P²O end to end on the real model and engine: LoRA steps pushed merged into vLLM, a GEPA round whose
+    Self-Ref reflector is the starting policy (the base pushed, adapters off) with the merged policy put back."""
+    from data import load_jsonl
+
+    hard = [p for p in load_jsonl("builtin-train")[0] if p.source == "builtin/two_step"][:6]
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer}) + "\n" for p in hard))
+    cfg = train.Config(model=model_path, train_data=str(data), dev_data="", prompts_per_step=3, group_size=4,
+                       max_tokens=32, epochs=2, gepa_min_hard=1, gepa_budget=12, gepa_parents=2, gepa_minibatch=2,
+                       reflect_max_tokens=64, eval_every=0, save_every=0, lora_rank=8, out_dir=str(tmp_path),
+                       run_name="p2o-lora", seed=1)
+    spy = SpyEngine(vllm_engine)
+    try:
+        out = train.train(cfg, engine=spy, reward_fn=lambda text, p: 0.0 if text.endswith("<greedy>") else
+                          parity_reward(text, p))
+    finally:
+        vllm_engine.push_weights(hf_model.state_dict())
+    assert out["step"] == 4 and out["gepa_history"][0]["ran"] and out["counts"]["reflection_calls"] > 0
+    policy = out["policy"]
+    base = dict(lora.engine_weights(policy, adapters=False))["model.layers.0.self_attn.q_proj.weight"]
+    assert any(torch.equal(q, base) for q in spy.q_proj)  # the reflector's swap: the starting policy
+    final = dict(lora.engine_weights(policy))["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(spy.q_proj[-1], final) and not torch.equal(final, base)  # trained, and pushed last
+    held = policy.model.layers[0].self_attn.q_proj.base_layer.weight.dtype  # bf16 under autocast: the base as trained
+    assert torch.equal(base, hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].to(held).float())
+    assert os.path.isfile(os.path.join(out["checkpoint"], "adapter_model.safetensors"))
