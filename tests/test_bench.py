@@ -74,3 +74,19 @@ def test_precision_bench_runs_small():
     out = proc.stdout
     assert out.count("(8 tokens)") == 2, out  # 2 prompts x 1 sample x 4 tokens: bf16 and fp32
     assert re.search(r"generate: bf16 .* ratio fp32/bf16 \d+\.\d{3}", out) and re.search(r"train   : .* ratio", out)
+
+
+def test_lora_bench_runs_small(tiny_model):
+    """bench/lora.py on the tiny model (HF engine for the push): every arm trains, checkpoints and
+    pushes, and the ratio line is printed with the trained share it should track."""
+    proc = subprocess.run([sys.executable, "bench/lora.py", f"--model={tiny_model}", "--rounds=1", "--steps=1",
+                           "--push_repeats=1", "--push_backend=hf", "--groups=1", "--k=2", "--prompt=8",
+                           "--response=8", "--micro_batch=2", "--ranks=4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"round 0 full .* ([\d,]+) of \1 trained", out), out  # full training trains everything
+    m = re.search(r"ratios lora r4/full: training memory (\d+\.\d+), step time (\d+\.\d+), checkpoint (\d+\.\d+) "
+                  r"\(trained share (\d+\.\d+)\), push time (\d+\.\d+)", out)
+    assert m, out
+    assert 0 < float(m.group(4)) < float(m.group(3)) < 1  # the adapters plus the tokenizer, well under the full model
