@@ -79,6 +79,10 @@ def add_adapters(model, rank, alpha, targets=ALL_LINEAR, dropout=0.0, base_dtype
     for module in lora_layers(model):
         if dropout:
             module.lora_dropout["default"] = GradOnlyDropout(dropout)
+        # peft casts a layer's input to the adapters' dtype (fp32). Under bf16 autocast the matmul casts it
+        # back, and the bf16 copy it saves for backward duplicates the base layer's saved input; without
+        # autocast the input is already fp32. Off: the input goes to the adapters as it is.
+        module.cast_input_dtype_enabled = False
     master = torch.promote_types(base_dtype, torch.float32)  # fp32 (fp64 for a float64 base: the tests)
     for name, p in model.named_parameters():
         if is_adapter(name):

@@ -78,23 +78,30 @@ def random_qwen3(tokenizer_path, folder):
     return folder
 
 
-def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro, head_chunk=1024):
+def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro, head_chunk=1024, lora_rank=0):
     """docs/GPU.md's estimate of the trainer's peak memory (bytes by part) for one step with
     gradient checkpointing, bf16 autocast, unshared rows, entropy logged, the rollback snapshot
     in CPU memory. N = response tokens of one micro-batch, L = its row length:
       states     16 B x parameters: fp32 weights, gradients, AdamW's two moments
-      residuals  layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast)
+                 (LoRA: 2 B x parameters, the frozen bf16 base, + 16 B x adapter parameters)
+      residuals  layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast;
+                 LoRA: 2 B, the bf16 base's embedding and residual adds are bf16)
       layer      rows x L x (3 x MLP width + 8 x hidden) x 2 B: one layer recomputed in backward
       head       min(N, head_chunk) x vocabulary x 8 B: one chunk's fp32 logits and one fp32
                  temporary (grpo.head_logprobs; before it, N x vocabulary x 18 B: bf16 logits,
-                 fp32 log-probs kept for backward, the entropy's log-probs, exp and product)."""
+                 fp32 log-probs kept for backward, the entropy's log-probs, exp and product).
+    lora_rank r > 0: adapters on every linear layer of the decoder, r x (in + out) each."""
     s = SHAPES[shape]
     h, layers, width, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
+    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     attention = h * s["head_dim"] * (s["num_attention_heads"] * 2 + s["num_key_value_heads"] * 2)
     params = vocab * h + layers * (attention + 3 * h * width + 2 * h + 2 * s["head_dim"]) + h
+    adapters = lora_rank * layers * (2 * (h + q) + 2 * (h + kv) + 3 * (h + width))  # q, o; k, v; gate, up, down
     length, tokens = prompt_len + response_len, micro * response_len
-    return {"states": 16 * params, "residuals": layers * micro * length * h * 4,
-            "layer": micro * length * (3 * width + 8 * h) * 2, "head": min(tokens, head_chunk) * vocab * 8, "parameters": params}
+    states = 2 * params + 16 * adapters if lora_rank else 16 * params
+    return {"states": states, "residuals": layers * micro * length * h * (2 if lora_rank else 4),
+            "layer": micro * length * (3 * width + 8 * h) * 2, "head": min(tokens, head_chunk) * vocab * 8,
+            "parameters": params, "lora_parameters": adapters}
 
 
 def check_versions(device):

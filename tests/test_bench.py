@@ -53,6 +53,25 @@ def test_memory_estimate_counts_the_models_parameters():
     assert estimate_peak("4b", 1, 6, 200, 500, 1)["head"] == 500 * 151936 * 8  # fewer tokens than a chunk
 
 
+def test_lora_memory_estimate_counts_the_adapters_peft_injects():
+    """estimate_peak(lora_rank=r)'s adapter count equals what lora.add_adapters puts on that shape
+    (meta device), and the states are the bf16 base plus 16 B an adapter parameter."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lora
+    from gpu_vllm import estimate_peak, qwen3_config
+
+    with torch.device("meta"):
+        model = lora.add_adapters(Qwen3ForCausalLM(qwen3_config("4b")), 32, 32, base_dtype=torch.bfloat16)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
+    est = estimate_peak("4b", 1, 6, 200, 12288, 1, lora_rank=32)
+    assert est["lora_parameters"] == adapters == 66_060_288  # 36 layers x 32 x (q 6,656 + o 6,656 + k, v 3,584 + 3 x 12,288)
+    assert est["states"] == 2 * est["parameters"] + 16 * adapters
+    assert est["residuals"] * 2 == estimate_peak("4b", 1, 6, 200, 12288, 1)["residuals"]
+
+
 def test_head_bench_runs_and_agrees():
     """bench/head_logprobs.py at a small shape: both paths run and agree (float32)."""
     proc = subprocess.run([sys.executable, "bench/head_logprobs.py", "--tokens=40", "--vocab=300", "--hidden=16",
@@ -77,9 +96,9 @@ def test_precision_bench_runs_small():
 
 
 def test_lora_bench_runs_small(tiny_model):
-    """bench/lora.py on the tiny model (HF engine for the push): every arm trains, checkpoints and
+    """bench/lora_vs_full.py on the tiny model (HF engine for the push): every arm trains, checkpoints and
     pushes, and the ratio line is printed with the trained share it should track."""
-    proc = subprocess.run([sys.executable, "bench/lora.py", f"--model={tiny_model}", "--rounds=1", "--steps=1",
+    proc = subprocess.run([sys.executable, "bench/lora_vs_full.py", f"--model={tiny_model}", "--rounds=1", "--steps=1",
                            "--push_repeats=1", "--push_backend=hf", "--groups=1", "--k=2", "--prompt=8",
                            "--response=8", "--micro_batch=2", "--ranks=4"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)

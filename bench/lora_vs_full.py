@@ -1,8 +1,8 @@
 """LoRA against full fine-tuning on one configuration, side by side: training memory, step time,
 checkpoint size and push time.
 
-    python bench/lora.py                       # the shipped model, CPU; ranks 8 and 32, 2 rounds
-    python bench/lora.py --device=cuda --model=Qwen/Qwen3-1.7B --rows=16 --response=1024   # a GPU
+    python bench/lora_vs_full.py                       # the shipped model, CPU; ranks 8 and 32, 2 rounds
+    python bench/lora_vs_full.py --device=cuda --model=Qwen/Qwen3-1.7B --rows=16 --response=1024   # a GPU
 
 Training: each arm (full, LoRA at each --ranks) runs in its own child process, alternating
 full -> LoRA r -> ... for --rounds rounds, so each peak is its own and the machine's drift falls
