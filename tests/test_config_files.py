@@ -94,6 +94,16 @@ def test_the_official_preset_holds_the_released_scripts_values():
     config.check_config(cfg, models=False)  # a valid configuration (the model is not looked up)
 
 
+def test_the_one_gpu_lora_preset_is_the_official_recipe_with_lora():
+    official = dataclasses.asdict(apply_config_file(Config(), PRESET))
+    cfg = apply_config_file(Config(), os.path.join(ROOT, "configs", "p2o_lora_1gpu.yaml"))
+    differ = {k: v for k, v in dataclasses.asdict(cfg).items() if v != official[k]}
+    assert differ == {"lora_rank": 32, "gpu_memory_utilization": 0.55}  # alpha 32, all-linear, dropout 0, x10: defaults
+    assert (cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.lora_lr_scale) == (32, "all-linear", 0.0, 10.0)
+    assert train.learning_rate(cfg) == pytest.approx(1e-5)  # LoRA Without Regret's LoRA lr against full's 1e-6
+    config.check_config(cfg, models=False)
+
+
 def test_flags_override_the_file_wherever_it_stands_and_both_count_as_given():
     cfg, given, dry = resolve_settings(Config(), ["--lr=3e-6", f"--config={PRESET}", "--group_size", "12"])
     assert (cfg.lr, cfg.group_size, cfg.prompts_per_step, dry) == (3e-6, 12, 128, False)
