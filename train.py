@@ -11,6 +11,7 @@
     python train.py --eps_high=0.28                  # DAPO clip-higher
     python train.py --adv_norm=none --loss_agg=seq-mean-token-sum-norm   # Dr. GRPO
     python train.py --kl_beta=0.01                   # k3 KL to the frozen initial policy
+    python train.py --lora_rank=16                   # LoRA adapters on a frozen base (lora.py; lr x lora_lr_scale)
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
     python train.py --config=configs/p2o_official.yaml --dry_run   # the reference code's settings, printed
     torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; docs/GPU.md)
