@@ -21,6 +21,7 @@ import inspect
 import json
 import os
 import random
+import sys
 
 import torch
 
@@ -397,6 +398,11 @@ def cpu_threads(setting, cores=None, local_world=None):
     return max(1, cores // max(1, local_world))
 
 
+def learning_rate(cfg):
+    """The optimizer's lr: --lr, times --lora_lr_scale when LoRA trains (adapters need a larger step)."""
+    return cfg.lr * (cfg.lora_lr_scale if cfg.lora_rank else 1.0)
+
+
 def load_data(cfg):
     """(train set, dev set), every row validated before any model loads: a bad file is one line
     naming the flag, the file and the row."""
@@ -418,3 +424,31 @@ def hold_out(problems, n, seed):
     order = random.Random(f"holdout/{seed}").sample(range(len(problems)), len(problems))
     held = set(order[:n])
     return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
+
+
+def resume_point(cfg, given=None):
+    """Read a resume once, for the command line and train(cfg) alike -> (cfg, checkpoint folder
+    or None, its trainer.pt or None). The checkpoint's settings come back, and the settings
+    named in `given` win over them (the command line's flags; for train(cfg), by default every
+    field that differs from Config's default). A saved setting this Config no longer has is
+    dropped with a note; LoRA's shape (rank, alpha, targets) cannot change on resume."""
+    from runs import load_trainer_state, resolve_resume  # lazy: runs imports the logging stack
+
+    path = resolve_resume(cfg) if cfg.resume else None
+    if not path:
+        return cfg, None, None
+    saved = load_trainer_state(path)
+    config_class = type(cfg)  # train.Config
+    defaults, known = config_class(), {f.name for f in dataclasses.fields(config_class)}
+    if given is None:
+        given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
+    old = {k: v for k, v in saved.get("config", {}).items() if k in known}
+    if set(saved.get("config", {})) - known:
+        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}",
+              file=sys.stderr)  # stdout may be --dry_run's JSON
+    merged = config_class(**{**old, **{k: getattr(cfg, k) for k in given | {"resume"}}})
+    for k in ("lora_rank", "lora_alpha", "lora_targets"):  # a checkpoint holds adapters of these, or a full model
+        if getattr(merged, k) != old.get(k, getattr(defaults, k)):
+            raise SystemExit(f"--resume={path} was trained with --{k}={old.get(k, getattr(defaults, k))}, not "
+                             f"{getattr(merged, k)}; to train it otherwise, start a new run with --model={path}")
+    return merged, path, saved

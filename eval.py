@@ -11,7 +11,8 @@ always reported. pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over
 (Chen et al. 2021); maj@k is majority voting over the k samples' answers (majority_reward).
 Rows are also broken down by their `source` (the built-in task's levels).
 
-A run's checkpoint or export (runs/<run>/latest, export-NNNNNN) is evaluated as it was trained:
+A LoRA run's checkpoint (a PEFT adapter folder) is first merged into its base (lora.merged_folder,
+once, cached). A run's checkpoint or export (runs/<run>/latest, export-NNNNNN) is evaluated as it was trained:
 its prompt format, chat-template arguments, max_tokens, temperature and top_p come from the
 folder's train_config.json unless given as flags, and the line "settings of the run that
 trained ..." says what was taken. vLLM's context is the longest prompt + --max_tokens: no answer

@@ -93,6 +93,26 @@ def add_adapters(model, rank, alpha, targets=ALL_LINEAR, dropout=0.0, base_dtype
     return model
 
 
+def load_policy(cfg, model_path, weights_path, device):
+    """train.py's LoRA policy: cfg.model's weights (model_path) frozen in the dtype the forward
+    computes in (bf16 under autocast, else fp32), adapters of cfg.lora_* (zero B), those of a
+    checkpoint folder when weights_path is one."""
+    from transformers import AutoModelForCausalLM
+
+    base_dtype = torch.bfloat16 if cfg.autocast_bf16 else torch.float32
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=base_dtype).to(device)
+    add_adapters(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, base_dtype)
+    return load_adapter(policy, weights_path) if weights_path != model_path else policy
+
+
+def describe(model):
+    """'LoRA: rank 32, alpha 32 on down_proj, ...: 9,768,960 trained parameters of 144,283,968'."""
+    config = lora_config(model)
+    trained = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))  # FSDP2: global sizes
+    return (f"LoRA: rank {config.r}, alpha {config.lora_alpha} on {', '.join(targets_of(model))}: {trained:,} trained "
+            f"parameters of {sum(p.numel() for p in model.parameters()):,}")
+
+
 def is_adapter(name):
     return ".lora_A." in name or ".lora_B." in name
 
@@ -171,6 +191,15 @@ def engine_weights(model, dtype=None, adapters=True, named=None):
     source = dist.full_parameters(model) if named is None else named
     for name, tensor in merged_weights(source, scaling(model), adapters):
         yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def weight_streams(model, named=None):
+    """(merged, base): functions that each return engine_weights pairs, the adapted policy and the
+    starting one (adapters off), from the live model or from `named`, a state dict gathered earlier
+    (rank 0's Self-Ref round under FSDP, where the others cannot join a collective)."""
+    def stream(adapters):
+        return lambda: engine_weights(model, adapters=adapters, named=named.items() if named else None)
+    return stream(True), stream(False)
 
 
 def peft_key(name):

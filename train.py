@@ -69,12 +69,13 @@ from data import PromptStream
 from eval import answer_records, summarize_records
 from model import pad_token_id, resolve_model, use_packed_flex
 from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_precision, cpu_threads,
-                    dry_run_report, load_data, packed_layout, parse_overrides, pick_device, resolve_settings)
+                    dry_run_report, learning_rate, load_data, packed_layout, parse_overrides, pick_device,
+                    resolve_settings, resume_point)
 from prompts import problem_messages
 from rollout import HFRollout, Sample, encode_prompt, make_reflector, make_rollout, remote_reflector
-from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
-                  load_trainer_state, print_summary, prune_checkpoints, resolve_resume, route_library_logs,
-                  save_checkpoint, save_export, start_branch, step_metrics, time_summary)
+from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state, print_summary,
+                  prune_checkpoints, route_library_logs, save_checkpoint, save_export, start_branch, step_metrics,
+                  time_summary)
 from verify import REWARDS
 
 
@@ -579,19 +580,11 @@ def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
 
 
 def self_ref_weights(run):
-    """(the policy's weights, the starting policy's or None) for a Self-Ref round on rank 0: the
-    engine is pushed the second for each reflection and the first back after it. Full training:
-    the policy's full state dict (gathered to rank 0's CPU under FSDP; a collective) and None
-    (make_reflector loads the starting weights). LoRA: both are functions streaming the merged
-    weights and the base alone (adapters off) from the policy itself, no copy in one process;
-    under FSDP from one gather of base and adapters to rank 0."""
-    if not run.cfg.lora_rank:
-        return dist.full_state_dict(run.policy, main_only=True), None
-    named = dist.full_state_dict(run.policy, main_only=True) if dist.active() else None  # collective; rank 0: CPU
-
-    def stream(adapters):
-        return lambda: lora.engine_weights(run.policy, adapters=adapters, named=named.items() if named else None)
-    return stream(True), stream(False)
+    """(policy weights, starting weights) that Self-Ref pushes back / swaps in on rank 0 (a collective
+    under FSDP: the gather to rank 0's CPU). Full training: the state dict and None (make_reflector
+    loads them); LoRA: lora.weight_streams, merged and adapters off, with no copy in one process."""
+    gathered = dist.full_state_dict(run.policy, main_only=True) if dist.active() or not run.cfg.lora_rank else None
+    return lora.weight_streams(run.policy, gathered) if run.cfg.lora_rank else (gathered, None)
 
 
 def end_epoch(run, search=True):
@@ -638,19 +631,13 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
     rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
 
-    LoRA (lora_rank > 0): the policy is cfg.model's weights, frozen in the training dtype, with
-    fp32 adapters (a checkpoint's, on resume); the reference is the policy itself, read with its
-    adapters off (no second copy); the engine starts from the base and is pushed the merged
-    weights when the adapters are not zero."""
+    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
+    the engine starts from the base and is pushed the merged weights on resume."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if cfg.lora_rank:
-        base_dtype = torch.bfloat16 if cfg.autocast_bf16 else torch.float32  # the dtype the forward computes in
-        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=base_dtype).to(device)
-        lora.add_adapters(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, base_dtype)
-        if weights_path != model_path:
-            lora.load_adapter(policy, weights_path)
+        policy = lora.load_policy(cfg, model_path, weights_path, device)
     else:
         policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
     if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
@@ -665,10 +652,8 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forward
     policy = dist.shard(policy, forward_methods=("selected_logprobs",))
-    reference = None
-    if cfg.kl_beta > 0 and cfg.lora_rank:
-        reference = policy  # pre_update_pass reads it with lora.adapters_off: the frozen base
-    elif cfg.kl_beta > 0:
+    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
+    if cfg.kl_beta > 0 and not cfg.lora_rank:
         reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
         reference.requires_grad_(False)
         if policy.config._attn_implementation == grpo.PACKED_FLEX:
@@ -691,11 +676,6 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     if holds != weights_path:  # a resume moved on from what the engine holds
         engine.push_weights(lora.engine_weights(policy, getattr(engine, "dtype", None)))
     return policy, reference, tokenizer, engine
-
-
-def learning_rate(cfg):
-    """The optimizer's lr: --lr, times --lora_lr_scale when LoRA trains (adapters need a larger step)."""
-    return cfg.lr * (cfg.lora_lr_scale if cfg.lora_rank else 1.0)
 
 
 def warmup_factor(warmup_steps, from_zero, step):
@@ -729,27 +709,6 @@ def restore(saved, own, optimizer, scheduler, warmup, cfg):
     return LoopState(**saved["loop"])
 
 
-def resume_point(cfg, given=None):
-    """Read a resume once, for the command line and train(cfg) alike -> (cfg, checkpoint folder
-    or None, its trainer.pt or None). The checkpoint's settings come back, and the settings
-    named in `given` win over them (the command line's flags; for train(cfg), by default every
-    field that differs from Config's default). A saved setting this Config no longer has is
-    dropped with a note."""
-    path = resolve_resume(cfg) if cfg.resume else None
-    if not path:
-        return cfg, None, None
-    saved = load_trainer_state(path)
-    defaults, known = Config(), {f.name for f in dataclasses.fields(Config)}
-    if given is None:
-        given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
-    old = {k: v for k, v in saved.get("config", {}).items() if k in known}
-    if set(saved.get("config", {})) - known:
-        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}",
-              file=sys.stderr)  # stdout may be --dry_run's JSON
-    merged = Config(**{**old, **{k: getattr(cfg, k) for k in given | {"resume"}}})
-    return merged, path, saved
-
-
 @dataclass
 class Run:
     """What start_run() sets up once and every phase of the loop reads: settings, process
@@ -767,7 +726,7 @@ class Run:
     model_path: str  # the starting weights (Self-Ref reflector, KL reference)
     chat_kwargs: dict
     policy: object
-    reference: object  # frozen initial policy (kl_beta > 0) or None
+    reference: object  # frozen initial policy (kl_beta > 0; LoRA: the policy, read with adapters off) or None
     tokenizer: object
     engine: object
     pad_id: int
@@ -822,9 +781,7 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     optimizer = torch.optim.AdamW(trained, lr=learning_rate(cfg), betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     if is_main and cfg.lora_rank:
-        total = sum(p.numel() for p in policy.parameters())  # under FSDP2 the global sizes (DTensors)
-        print(f"LoRA: rank {cfg.lora_rank}, alpha {cfg.lora_alpha} on {', '.join(lora.targets_of(policy))}: "
-              f"{sum(p.numel() for p in trained):,} trained parameters of {total:,}; lr {learning_rate(cfg):g}")
+        print(f"{lora.describe(policy)}; lr {learning_rate(cfg):g}")
     warmup = functools.partial(warmup_factor, cfg.warmup_steps, cfg.warmup_from_zero)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
 

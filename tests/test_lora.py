@@ -312,3 +312,12 @@ def test_a_short_p2o_run_with_lora_on_the_shipped_model_with_a_self_ref_gepa_rou
     held = policy.model.layers[0].self_attn.q_proj.base_layer.weight.dtype  # bf16 under autocast: the base as trained
     assert torch.equal(base, hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].to(held).float())
     assert os.path.isfile(os.path.join(out["checkpoint"], "adapter_model.safetensors"))
+
+
+def test_a_resume_keeps_the_checkpoints_lora_shape(lora_run, tmp_path):
+    ckpt = os.path.join(lora_run[1], "ckpt-000002")
+    for flag, value in (("lora_rank", 0), ("lora_rank", 8), ("lora_alpha", 16), ("lora_targets", "q_proj")):
+        with pytest.raises(SystemExit, match=f"was trained with --{flag}=.*start a new run with --model="):
+            train.resume_point(train.Config(resume=ckpt, **{flag: value}), given={"resume", flag})
+    cfg, path, _ = train.resume_point(train.Config(resume=ckpt, lr=3e-3), given={"resume", "lr"})
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr, path) == (4, 8, 3e-3, ckpt)
