@@ -127,7 +127,7 @@ def test_corrupt_checkpoint_is_reported(tmp_path):
     bad.mkdir()
     (bad / "trainer.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit, match="corrupt checkpoint"):
-        train.load_trainer_state(str(bad))
+        train.resume_point(Config(resume=str(bad)))  # runs.load_trainer_state, as a resume reads it
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
