@@ -492,8 +492,9 @@ class EngineReflector:
     engine: a teacher), or, with `swap` (a state dict, e.g. the frozen starting weights), holds
     `swap` for the call and `restore` (the policy's state dict) again after it, even when the
     call fails. Either may instead be a function returning (name, tensor) pairs, called at each
-    push (a LoRA policy streams its weights merged, or its base alone, with no copy held). By default (prefill, stop None) the answer is prefilled with gepa's opening
-    delimiter and stops at the closing one: a small reflector rarely writes the delimiters by
+    push (a LoRA policy streams its weights merged, or its base alone, with no copy held). By
+    default (prefill, stop None) the answer is prefilled with gepa's opening delimiter and stops
+    at the closing one: a small reflector rarely writes the delimiters by
     itself. gepa.reflector_framing(cfg) gives both per --reflect_prompt; the official prompt's
     (prefill "", stop []) sends the prompt as the one user message and reads the whole reply.
     The returned text starts with the prefill; `finished` is False when the reply ran out of tokens

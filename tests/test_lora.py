@@ -321,3 +321,16 @@ def test_a_resume_keeps_the_checkpoints_lora_shape(lora_run, tmp_path):
             train.resume_point(train.Config(resume=ckpt, **{flag: value}), given={"resume", flag})
     cfg, path, _ = train.resume_point(train.Config(resume=ckpt, lr=3e-3), given={"resume", "lr"})
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.lr, path) == (4, 8, 3e-3, ckpt)
+
+
+def test_self_refs_streams_from_a_gathered_state_dict_equal_the_live_policys(lora_run):
+    """Under FSDP rank 0 reflects alone, from a state dict gathered before the round: its merged and
+    adapters-off streams must be what the live policy streams."""
+    policy = lora_run[0]["policy"]
+    gathered = {k: v.clone() for k, v in policy.state_dict().items()}
+    for (live, adapters), saved in zip(((lora.engine_weights(policy), True),
+                                        (lora.engine_weights(policy, adapters=False), False)),
+                                       lora.weight_streams(policy, gathered)):
+        want, got = dict(live), dict(saved())
+        assert want.keys() - {"lm_head.weight"} == got.keys() - {"lm_head.weight"}
+        assert all(torch.equal(want[k], got[k]) for k in want if k in got), adapters
