@@ -27,6 +27,7 @@ read.
 import contextlib
 import json
 import os
+import shutil
 
 import torch
 
@@ -318,9 +319,8 @@ def merged_folder(folder, dtype=torch.bfloat16):
     with atomic_directory(out) as tmp:
         model.to(dtype).save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
-        for name in ("train_config.json",):  # eval.py reads the run's settings beside the weights
-            if os.path.isfile(os.path.join(folder, name)):
-                with open(os.path.join(folder, name)) as f, open(os.path.join(tmp, name), "w") as g:
-                    g.write(f.read())
+        settings = os.path.join(folder, "train_config.json")  # eval.py reads the run's settings beside the weights
+        if os.path.isfile(settings):
+            shutil.copyfile(settings, os.path.join(tmp, "train_config.json"))
     print(f"{folder}: adapters merged into {base_path} -> {out}")
     return out

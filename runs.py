@@ -106,7 +106,10 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
         torch.save(own, os.path.join(tmp, own_file))
         dist.barrier()
         if dist.is_main():
-            lora.save_adapter(policy, weights, tmp) if adapted else save_model(policy, weights, tmp)
+            if adapted:
+                lora.save_adapter(policy, weights, tmp)
+            else:
+                save_model(policy, weights, tmp)
             tokenizer.save_pretrained(tmp)
             write_train_config(tmp, trainer["config"])
             torch.save(trainer, os.path.join(tmp, "trainer.pt"))

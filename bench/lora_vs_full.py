@@ -2,7 +2,7 @@
 checkpoint size and push time.
 
     python bench/lora_vs_full.py                       # the shipped model, CPU; ranks 8 and 32, 2 rounds
-    python bench/lora_vs_full.py --device=cuda --model=Qwen/Qwen3-1.7B --rows=16 --response=1024   # a GPU
+    python bench/lora_vs_full.py --device=cuda --model=Qwen/Qwen3-1.7B --groups=8 --response=1024   # a GPU
 
 Training: each arm (full, LoRA at each --ranks) runs in its own child process, alternating
 full -> LoRA r -> ... for --rounds rounds, so each peak is its own and the machine's drift falls
@@ -123,7 +123,6 @@ def run_push(args):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import dist
     import lora
     from model import resolve_model
     from rollout import make_rollout
@@ -134,20 +133,16 @@ def run_push(args):
     engine = make_rollout(args.push_backend, model_path, dtype=cfg.engine_dtype,
                           **({"max_model_len": 512, "kv_cache_gib": 1} if args.push_backend == "vllm" else {}))
     full = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(args.device)
-    base_dtype = torch.bfloat16 if cfg.autocast_bf16 else torch.float32
-    adapted = lora.add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=base_dtype).to(args.device),
-                                rank, cfg.lora_alpha, base_dtype=base_dtype)
+    adapted = lora.load_policy(cfg, model_path, model_path, args.device)  # as train.py loads it
     with torch.no_grad():
         for name, p in adapted.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 1e-3)
     times = {"full": [], "lora": [], "load_initial": []}
     for _ in range(args.push_repeats):
-        for arm, weights in (("full", lambda: dist.full_parameters(full, engine.dtype if hasattr(engine, "dtype")
-                                                                    else None)),
-                             ("lora", lambda: lora.engine_weights(adapted, getattr(engine, "dtype", None)))):
+        for arm, model in (("full", full), ("lora", adapted)):  # what train_step pushes, either way
             t = time.perf_counter()
-            engine.push_weights(weights())
+            engine.push_weights(lora.engine_weights(model, getattr(engine, "dtype", None)))
             times[arm].append(time.perf_counter() - t)
         t = time.perf_counter()
         initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
