@@ -1,5 +1,6 @@
 """Multi-process training helpers for `torchrun --nproc_per_node=N train.py`: process group,
-FSDP2 sharding, small collectives, full state dicts, gradient clipping, work split.
+FSDP2 sharding, small collectives, full state dicts, gradient clipping, work split (a step's
+groups; GEPA's answers over every rank's engine: shared_map / serve).
 
 Every function is the identity or a no-op in a single process (WORLD_SIZE unset or 1), so the
 trainer calls them unconditionally and a plain `python train.py` never touches
@@ -145,6 +146,31 @@ def unsplit(parts):
     for i in range(sum(map(len, parts))):
         out.append(parts[i % world][i // world])
     return out
+
+
+def shared_map(fn, items):
+    """fn(items) computed by every rank together, called on rank 0 while the others are in
+    serve(fn): each rank takes items[rank::world] (split: shares differ by one item at most), and
+    rank 0 gets the results back in the order of `items`. fn maps a list to a list of as many
+    results, each a function of its own item alone (e.g. greedy answers: then the result is the
+    one-process one). A single process: fn(items)."""
+    if not active():
+        return fn(items)
+    broadcast_object(list(items))
+    return unsplit(gather_objects(fn(split(items, 0, world()))))
+
+
+def serve(fn):
+    """Ranks > 0: compute their share of every rank-0 shared_map(fn, ...) until rank 0 calls
+    release()."""
+    while (items := broadcast_object(None)) is not None:
+        gather_objects(fn(split(items, rank(), world())))
+
+
+def release():
+    """Rank 0: the ranks in serve() return (a no-op in a single process)."""
+    if active():
+        broadcast_object(None)
 
 
 def shard(model, reshard_after_forward=True, forward_methods=()):

@@ -482,6 +482,16 @@ def make_rollout(backend, model_path, **kwargs):
     raise ValueError(f"unknown rollout backend {backend!r} (vllm | hf)")
 
 
+def greedy_answers(engine, max_tokens):
+    """GEPA's answering on one engine: chat prompts -> [(text, response tokens, prompt tokens)],
+    greedy, so an answer is a function of its prompt (train.py shares each call over every
+    rank's engine with dist.shared_map)."""
+    def answer(prompts):
+        out = engine.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
+        return [(g[0].text, len(g[0].response_ids), len(g[0].prompt_ids)) for g in out]
+    return answer
+
+
 class EngineReflector:
     """GEPA's reflector on a rollout engine (Self-Ref, Policy-Ref, or a local Teacher-Ref).
 

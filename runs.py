@@ -29,6 +29,7 @@ import difflib
 import json
 import math
 import os
+import random
 import resource
 import secrets
 import shutil
@@ -36,11 +37,13 @@ import signal
 import sys
 import time
 
+import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
 import dist
 import lora
+from config import learning_rate
 from model import atomic_directory
 from plot import plot_run
 
@@ -178,6 +181,30 @@ def load_rank_state(path, rank):
         raise SystemExit(f"{file}: missing; this checkpoint was not written by {rank + 1}+ processes") from None
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"{file}: corrupt checkpoint ({type(e).__name__}: {e})") from None
+
+
+def rng_state():
+    """The RNG states a checkpoint saves per rank (python, numpy, torch)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_trainer(saved, own, optimizer, scheduler, warmup, cfg):
+    """Put a checkpoint's optimizer, scheduler and RNG states back (`own`: this rank's, from
+    trainer.pt in one process, from rank-R.pt under torchrun) -> its loop state (a dict of
+    train.LoopState's fields). Settings given on the command line at resume (lr, AdamW's betas,
+    eps, weight decay) win over the optimizer's saved copies of them; `warmup`(step) is the
+    lr factor of the scheduler's step."""
+    dist.load_optimizer_state(optimizer, own["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    lr = learning_rate(cfg)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for g in optimizer.param_groups:
+        g.update(lr=lr * warmup(scheduler.last_epoch), initial_lr=lr, eps=cfg.adam_eps,
+                 betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    random.setstate(own["rng"]["python"])
+    np.random.set_state(own["rng"]["numpy"])
+    torch.set_rng_state(own["rng"]["torch"])
+    return saved["loop"]
 
 
 def link_checkpoint(run_dir, link, step):

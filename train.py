@@ -72,10 +72,10 @@ from config import (check_config, chat_template_kwargs, config_help, context_len
                     dry_run_report, learning_rate, load_data, packed_layout, parse_overrides, pick_device,
                     resolve_settings, resume_point)
 from prompts import problem_messages
-from rollout import HFRollout, Sample, encode_prompt, make_reflector, make_rollout, remote_reflector
+from rollout import HFRollout, Sample, encode_prompt, greedy_answers, make_reflector, make_rollout, remote_reflector
 from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state, print_summary,
-                  prune_checkpoints, route_library_logs, save_checkpoint, save_export, start_branch, step_metrics,
-                  time_summary)
+                  prune_checkpoints, restore_trainer, rng_state, route_library_logs, save_checkpoint, save_export,
+                  start_branch, step_metrics, time_summary)
 from verify import REWARDS
 
 
@@ -555,17 +555,18 @@ def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None
 
 
 def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
-    """GEPA on an epoch's hard prompts: the current policy (in `engine`) answers greedily, the
-    `reflector` (rollout.py's, or anything with reflect(prompts) -> [(text, finished) | None], or
-    such a function) proposes
-    templates. Answers and reflection calls are counted in `counts`. Returns gepa.GepaResult."""
+    """GEPA on an epoch's hard prompts (rank 0: the search, the archive and the reflector): the
+    current policy answers greedily, each call shared over every rank's engine (the other ranks
+    are in dist.serve(rollout.greedy_answers(...))); the `reflector` (rollout.py's, or anything with
+    reflect(prompts) -> [(text, finished) | None], or such a function) proposes templates.
+    Answers and reflection calls are counted in `counts`. Returns gepa.GepaResult."""
     def answer(pairs, kind):
-        out = engine.generate([problem_messages(item, t, cfg.prompt_format) for t, item in pairs], n=1,
-                              temperature=0.0, max_tokens=cfg.max_tokens)
+        out = dist.shared_map(greedy_answers(engine, cfg.max_tokens),
+                              [problem_messages(item, t, cfg.prompt_format) for t, item in pairs])
         counts[f"{kind}_rollouts"] += len(pairs)
-        counts[f"{kind}_tokens"] += sum(len(g[0].response_ids) for g in out)
-        counts[f"{kind}_prefill_tokens"] += sum(len(g[0].prompt_ids) for g in out)
-        return [g[0].text for g in out]
+        counts[f"{kind}_tokens"] += sum(n for _, n, _ in out)
+        counts[f"{kind}_prefill_tokens"] += sum(n for _, _, n in out)
+        return [text for text, _, _ in out]
 
     def reflect(prompts):
         out = reflect_fn(prompts)
@@ -589,10 +590,10 @@ def self_ref_weights(run):
 
 def end_epoch(run, search=True):
     """The epoch in state.epoch is over (search=False: the run is, and no GEPA round follows).
-    P²O: with at least gepa_min_hard hard prompts, GEPA evolves templates for them (rank 0; the
-    other ranks wait) and assigns K of them to each for the next epoch; a round is minutes of
-    compute, so it is checkpointed on both sides. Then the loop state rank 0 leaves is every
-    rank's, and the next epoch starts collecting hard prompts."""
+    P²O: with at least gepa_min_hard hard prompts, GEPA evolves templates for them (rank 0 searches
+    and reflects; every rank's engine answers a share of each call) and assigns K of them to each
+    for the next epoch; a round is minutes of compute, so it is checkpointed on both sides. Then
+    the loop state rank 0 leaves is every rank's, and the next epoch starts collecting hard prompts."""
     cfg, state = run.cfg, run.state
     due = search and cfg.algo == "p2o" and len(state.hard_now) >= cfg.gepa_min_hard
     if due:
@@ -604,15 +605,20 @@ def end_epoch(run, search=True):
         summary, result = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}, None
         if due:
             tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
-            reflector = run.reflector or make_reflector(cfg, run.engine, run.model_path, weights, state.counts,
-                                                        initial)
-            result = gepa_round(cfg, state.epoch, [run.by_id[i] for i in state.hard_now], run.engine, reflector,
-                                state.counts, run.reward_fn)
+            try:
+                reflector = run.reflector or make_reflector(cfg, run.engine, run.model_path, weights, state.counts,
+                                                            initial)
+                result = gepa_round(cfg, state.epoch, [run.by_id[i] for i in state.hard_now], run.engine,
+                                    reflector, state.counts, run.reward_fn)
+            finally:
+                dist.release()  # the other ranks stop answering (also when the round failed)
             summary.update(ran=True, seconds=time.perf_counter() - t, **result.summary())
             tqdm.write(f"GEPA: {json.dumps(summary)}")
         run.log.gepa(state.epoch, state.step, len(state.hard_now), result)
         state.assignment = result.assignment if result else {}
         state.gepa_history.append(summary)
+    elif due:
+        dist.serve(greedy_answers(run.engine, cfg.max_tokens))  # this rank's share of each of rank 0's answer calls
     state.hard_now, state.epoch = {}, state.epoch + 1
     for key, value in dist.broadcast_object(fields_of(state)).items():  # rank 0's, on every rank
         setattr(state, key, value)
@@ -685,28 +691,6 @@ def warmup_factor(warmup_steps, from_zero, step):
     if step >= warmup_steps:
         return 1.0
     return (step + (0 if from_zero else 1)) / warmup_steps
-
-
-def rng_state():
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def restore(saved, own, optimizer, scheduler, warmup, cfg):
-    """A checkpoint's LoopState, with its optimizer, scheduler and RNG states put back (`own`:
-    this rank's, from trainer.pt in one process, from rank-R.pt under torchrun). Settings
-    given on the command line at resume (lr, AdamW's betas, eps, weight decay) win over the
-    optimizer's saved copies of them."""
-    dist.load_optimizer_state(optimizer, own["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    lr = learning_rate(cfg)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    for g in optimizer.param_groups:
-        g.update(lr=lr * warmup(scheduler.last_epoch), initial_lr=lr, eps=cfg.adam_eps,
-                 betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    random.setstate(own["rng"]["python"])
-    np.random.set_state(own["rng"]["numpy"])
-    torch.set_rng_state(own["rng"]["torch"])
-    return LoopState(**saved["loop"])
 
 
 @dataclass
@@ -791,7 +775,7 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
         state.assignment = {p.id: [fixed] * cfg.group_size for p in train_set}
     if saved:
         own = load_rank_state(resume_path, rank) if world > 1 else saved
-        state = restore(saved, own, optimizer, scheduler, warmup, cfg)
+        state = LoopState(**restore_trainer(saved, own, optimizer, scheduler, warmup, cfg))
         if is_main:
             print(f"resuming from {resume_path} at step {state.step}")
     if is_main:

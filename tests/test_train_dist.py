@@ -1,6 +1,7 @@
 """train.py under torchrun: 2 CPU processes (gloo, FSDP2, gradient checkpointing) train exactly what 1
 process trains on the same global batch (uneven response lengths, DAPO refills, 2 mini-batches, KL,
-templated P²O steps with CRM), hold identical P²O state, push full weights, and resume exactly at
+templated P²O steps with CRM), hold identical P²O state, share GEPA's answering (the same archive as
+one process), push full weights, and resume exactly at
 world size 2; the same with LoRA adapters (merged pushes); and the real path with two vLLM engines."""
 
 import json
@@ -120,6 +121,24 @@ def test_p2o_state_is_identical_on_both_ranks_and_equals_one_process(runs):
     assert rank0["state"] == rank1["state"]
     assert without_times(rank0["state"]) == without_times(alone["state"])
     assert sum(h["ran"] for h in rank0["state"]["gepa_history"]) >= 2  # GEPA rounds were broadcast
+
+
+def test_gepa_rounds_are_answered_by_every_rank_and_search_as_one_process(runs):
+    """Rank 0 searches; each answer call is shared over both engines (items[rank::2]); the
+    archive of every round equals the one-process round's."""
+    names = sorted(n for n in os.listdir(os.path.join(runs["one"], "run")) if n.startswith("gepa-epoch-"))
+    assert len(names) >= 2
+    for name in names:
+        one, two = (json.load(open(os.path.join(runs[k], "run", name))) for k in ("one", "two"))
+        assert two == one and len(one["log"]) > 0 and one["metric_calls"] > 0
+    alone = ended(runs["one"])["gepa_calls"]
+    shares = [ended(runs["two"], rank)["gepa_calls"] for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == len(alone) > 2  # every rank takes part in every call
+    for call, first, second in zip(alone, *shares):
+        assert abs(len(first) - len(second)) <= 1 and len(first) + len(second) == len(call)
+        assert first == call[0::2] and second == call[1::2]
+    assert sum(len(c) for c in alone) == sum(json.load(open(os.path.join(runs["one"], "run", n)))["metric_calls"]
+                                             for n in names)
 
 
 def test_every_rank_pushes_the_full_weights(runs):

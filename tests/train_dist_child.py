@@ -29,10 +29,13 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.pushes, self.pushed = tokenizer, 0, None
+        self.in_gepa, self.gepa_calls = False, []  # the user texts of each call made in an epoch's end
 
     def generate(self, prompts, n=1, temperature=1.0, max_tokens=8, stop=None, **_):
         counts = [n] * len(prompts) if isinstance(n, int) else n
         temperatures = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+        if self.in_gepa:
+            self.gepa_calls.append([p if isinstance(p, str) else p[-1]["content"] for p in prompts])
         groups = []
         for prompt, k, temperature in zip(prompts, counts, temperatures):
             text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
@@ -84,11 +87,20 @@ def main(job_path):
         local_tokens.append(sum(len(r.response_ids) for r in rows))
         return rows
     train.training_rows = counting_rows
+    end_epoch = train.end_epoch
+
+    def marked_end_epoch(*args, **kwargs):  # the engine's calls in here are GEPA's answers
+        engine.in_gepa = True
+        try:
+            return end_epoch(*args, **kwargs)
+        finally:
+            engine.in_gepa = False
+    train.end_epoch = marked_end_epoch
     out = train.train(cfg, engine=engine, reward_fn=reward, reflector=reflect)
     rank = int(os.environ.get("RANK", "0"))
     torch.save({"state": train.fields_of(out["state"]), "pushes": engine.pushes, "pushed": engine.pushed,
                 "checkpoint": out["checkpoint"],
-                "local_tokens": local_tokens}, os.path.join(job["out"], f"rank-{rank}.pt"))
+                "local_tokens": local_tokens, "gepa_calls": engine.gepa_calls}, os.path.join(job["out"], f"rank-{rank}.pt"))
 
 
 if __name__ == "__main__":
