@@ -369,13 +369,12 @@ def attention_mask_for(block, implementation):
     sdpa: a boolean [S, 1, Lp, Lp], True = attend. eager ADDS its mask to the scores (a boolean
     would add 1 or 0 and let every token see every other): 0 where allowed, the float32 minimum
     elsewhere. PACKED_FLEX: a FlexAttention BlockMask of the same rule, which lets the kernel
-    skip the blocks no query of a tile attends (responses never see each other). flash-attention
+    skip the blocks no query of a tile attends (responses never see each other), built from the
+    packing's segments (packed_block_mask: no [Lp, Lp] tensor). flash-attention
     kernels take no such mask: refused (train.py checks this before training)."""
     S, L = block.shape
     if implementation == PACKED_FLEX:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        return create_block_mask(lambda b, h, q, kv: sees(block, b, q, kv), S, None, L, L, device=block.device)
+        return packed_block_mask(block)
     positions = torch.arange(L, device=block.device)
     allowed = sees(block, torch.arange(S, device=block.device)[:, None, None], positions[:, None], positions)
     allowed = allowed.unsqueeze(1)  # [S, 1, Lp, Lp]
@@ -386,3 +385,44 @@ def attention_mask_for(block, implementation):
             ~allowed, torch.finfo(torch.float32).min)
     raise ValueError(f"shared-prompt packing needs attn_implementation {' or '.join(PACKED_ATTENTION)}, the model "
                      f"uses {implementation!r}: load it with one of those, or set --shared_prompt=False")
+
+
+def packed_block_mask(block, tile=128):
+    """The FlexAttention BlockMask of `sees` for pack_rows' block ids [S, Lp], built from the
+    packing's structure instead of evaluating the rule on the [Lp, Lp] square (torch's
+    create_block_mask, uncompiled, materialises [S, 1, Lp, Lp] tensors: ~3 S Lp^2 bytes, 16 GB for
+    one group of 6 x 12k tokens). Memory and time are O(S (Lp / tile)^2).
+
+    Along a sequence the ids are the prompt (-1), responses 0, 1, ... in order, then padding, so
+    with padding renumbered past the last response they never decrease, and a tile of positions
+    is described by its smallest and largest id. For query tile i and key tile j:
+      some key attended  iff j <= i and (the key tile holds prompt positions, or its ids reach the
+                         query tile's smallest id): exact, as tiles are aligned (j < i: every key
+                         precedes every query; j = i: the diagonal holds (q, q))
+      every key attended iff j < i, both are whole tiles, and the key tile is all prompt, or the
+                         query tile lies in one segment s and the key tile's ids are s alone, or
+                         the prompt and s = 0 (the prompt's end and response 0's start; a key tile
+                         of prompt and s > 0 also holds the responses before s, which are non-empty)
+    The tiles where some but not every key is attended are computed with `sees` as the mask_mod.
+    Equal, tile for tile, to create_block_mask's result (tests/test_grpo.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    S, L = block.shape
+    T = -(-L // tile)
+    ids = torch.where(block == -2, block.max() + 1, block)  # padding: a segment after the last response
+    ids = torch.nn.functional.pad(ids, (0, T * tile - L), value=int(ids.max()) + 1)  # off the end: a segment of its own
+    tiles = ids.view(S, T, tile)
+    low, high = tiles.amin(-1), tiles.amax(-1)  # [S, T]
+    whole = torch.arange(T, device=block.device) < L // tile  # tiles with no position past Lp
+    qi, kj = torch.arange(T, device=block.device)[:, None], torch.arange(T, device=block.device)[None, :]
+    q_low, q_high, k_low, k_high = low[:, :, None], high[:, :, None], low[:, None, :], high[:, None, :]
+    some = (kj <= qi) & ((k_low == -1) | (k_high >= q_low))  # [S, T, T]
+    own = (q_low == q_high) & (k_high == q_low) & ((k_low == q_low) | ((k_low == -1) & (q_low == 0)))
+    every = (kj < qi) & ((k_high == -1) | own) & whole[:, None] & whole[None, :]
+    partial = some & ~every
+
+    def listed(dense):  # [S, T, T] -> per query tile: how many key tiles, which (in order, padded)
+        order = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return dense.sum(-1).to(torch.int32)[:, None], order[:, None]
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(every), BLOCK_SIZE=tile,
+                                    mask_mod=lambda b, h, q, kv: sees(block, b, q, kv), seq_lengths=(L, L))
