@@ -210,15 +210,16 @@ AT_LEAST = {  # setting -> smallest allowed value
     "mini_batches": 1, "tis_cap": 0.0, "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1,
     "gepa_parents": 1, "gepa_minibatch": 1, "gepa_max_iterations": 1, "max_template_chars": 1,
     "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
-    "reflect_temperature": 0.0, "reflect_max_tokens": 1, "dev_holdout": 0, "lr": 0.0, "warmup_steps": 0,
-    "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1, "max_bad_steps": 1,
-    "head_chunk": 1, "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
+    "reflect_temperature": 0.0, "reflect_max_tokens": 1, "reflect_top_k": 0, "dev_holdout": 0, "lr": 0.0,
+    "warmup_steps": 0, "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1,
+    "max_bad_steps": 1, "head_chunk": 1, "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0,
+    "eval_k": 0, "save_every": 0,
     "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0, "lora_rank": 0, "lora_dropout": 0.0,
 }
-POSITIVE = ("temperature", "top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps", "grad_clip",
-            "reflector_timeout", "lora_alpha", "lora_lr_scale")  # > 0
+POSITIVE = ("temperature", "top_p", "reflect_top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps",
+            "grad_clip", "reflector_timeout", "lora_alpha", "lora_lr_scale")  # > 0
 BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2", "lora_dropout")  # < 1
-AT_MOST_ONE = ("top_p", "gpu_memory_utilization")  # <= 1
+AT_MOST_ONE = ("top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
 
 
 def check_config(cfg, models=True):
@@ -248,6 +249,7 @@ def check_config(cfg, models=True):
     if not cfg.reflector:
         raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)
+    reflector_chat_kwargs(cfg)
     pick_device(cfg.device)
     if cfg.fixed_template:
         if cfg.algo != "grpo":
@@ -275,17 +277,30 @@ def check_config(cfg, models=True):
         check_model(cfg.reflector, "--reflector")
 
 
+def json_object_setting(flag, text):
+    """A setting holding a JSON object, as a dict ({} when empty); anything else is a one-line
+    error naming --flag."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--{flag} must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"--{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 def chat_template_kwargs(cfg):
     """--chat_template_kwargs as a dict ({} when empty); a clear error for anything but a JSON
     object. `cfg`: a Config or anything with that attribute (eval.py's arguments)."""
-    text = cfg.chat_template_kwargs
-    try:
-        kwargs = json.loads(text or "{}")
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {text!r} ({e})") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit(f"--chat_template_kwargs must be a JSON object, got {text!r}")
-    return kwargs
+    return json_object_setting("chat_template_kwargs", cfg.chat_template_kwargs)
+
+
+def reflector_chat_kwargs(cfg):
+    """--reflect_chat_template_kwargs as a dict, or None when empty: the reflector then keeps its
+    engine's chat_template_kwargs (Self-Ref and Policy-Ref: --chat_template_kwargs), and nothing
+    is sent to a server. E.g. '{"enable_thinking": true}' -> {"enable_thinking": True}."""
+    text = cfg.reflect_chat_template_kwargs
+    return json_object_setting("reflect_chat_template_kwargs", text) if text.strip() else None
 
 
 def pick_device(name):
@@ -305,8 +320,9 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     its answer. Training and GEPA prompts: the longest data prompt + the longest template
     (gepa.max_template_length, counted as one token a character, plus the blank line) +
     max_tokens. P²O reflection prompts (either --reflect_prompt): the meta-prompt with the
-    longest problems and answers of the data (gepa.longest_reflection_prompt), plus the parts cut
-    to a length in characters, one token each (gepa.reflection_cut_chars: the parent template,
+    longest problems and answers of the data (gepa.longest_reflection_prompt) under the
+    reflector's chat template arguments (reflector_chat_kwargs, else chat_kwargs), plus the parts
+    cut to a length in characters, one token each (gepa.reflection_cut_chars: the parent template,
     the answers and extracted answers), + reflect_max_tokens."""
     if cfg.max_model_len:
         return cfg.max_model_len
@@ -315,7 +331,9 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     need = longest_prompt + gepa.max_template_length(cfg) + 2 + cfg.max_tokens
     if cfg.algo == "p2o":
         messages = gepa.longest_reflection_prompt(cfg, problems)  # with its framing (ours: the prefill)
-        need = max(need, len(encode_prompt(tokenizer, messages, chat_kwargs)) + gepa.reflection_cut_chars(cfg)
+        reflect_kwargs = reflector_chat_kwargs(cfg)
+        kwargs = chat_kwargs if reflect_kwargs is None else reflect_kwargs
+        need = max(need, len(encode_prompt(tokenizer, messages, kwargs)) + gepa.reflection_cut_chars(cfg)
                    + cfg.reflect_max_tokens)
     return need
 

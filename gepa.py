@@ -18,8 +18,8 @@ The search is pure logic around two callables, so it can be read and tested alon
 fields are read: gepa_budget, gepa_auto, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
 gepa_max_iterations, max_template_chars, template_max_growth, guard_copy_words,
 reflect_answer_chars, reflect_max_tokens, the variant switches reflect_prompt, reflect_guards,
-gepa_selection, gepa_accounting, and for the assignment group_size (K), same_template_per_group,
-bare_rollout.
+gepa_selection, gepa_accounting, prompt_format (the official prompt shows the user text in it),
+and for the assignment group_size (K), same_template_per_group, bare_rollout.
 
 Human-Ref: `run_gepa(..., seeds=[...])` starts the pool with given templates beside the empty
 one (train.py reads them from --seed_templates); they are scored on dev, selected, covered and
@@ -54,8 +54,10 @@ per accepted child (the children's minibatch answers are free); the round stops 
 iteration once the charge has reached the budget, every iteration takes W parents, and |dev| is
 not capped by the budget. metric_calls still counts every answer made (it can pass the budget:
 that is the rule) and `charged` what the rule counted; gepa_max_iterations still bounds the round.
---reflect_prompt=official asks with GEPA's instruction-proposal prompt (in our words) and parses
-the reply between ``` fences; --reflect_guards=False keeps only the parse and the empty check.
+--reflect_prompt=official asks with GEPA's instruction-proposal prompt (in our words), showing
+each minibatch item as the policy's user message and its answer cut head + tail, and parses the
+reply between ``` fences after a think block (reply_after_thought); --reflect_guards=False keeps
+only the parse and the empty check.
 """
 
 import math
@@ -65,6 +67,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from prompts import user_text
 from verify import check
 
 DELIM_OPEN, DELIM_CLOSE = "<template>", "</template>"
@@ -393,11 +396,32 @@ def official_feedback(response, answer, reward):
     return f"{text}\n\nReward: {reward:.2f}"
 
 
-def official_examples(items, responses, rewards, answer_chars):
-    """The examples as markdown sections: the input (the problem as the policy saw it, without
-    the template), the response cut to answer_chars, the feedback."""
+CUT_MARKER = "\n\n[... the middle of this response is left out ...]\n\n"
+
+
+def cut_middle(text, limit):
+    """text when it has at most `limit` characters, else its start and its end around CUT_MARKER,
+    `limit` characters in all, so the final \\boxed{} stays in view:
+    cut_middle("0123456789" * 10, 73) -> "0123456789" + CUT_MARKER + "0123456789" (10 + 53 + 10).
+    The reference cuts an answer only when the prompt would not fit its context, then to 40 % +
+    40 % of a token budget (the rest is slack for re-encoding); a cut in characters needs no
+    slack, so here each side gets half. A limit with no room beside the marker keeps the start."""
+    if len(text) <= limit:
+        return text
+    room = limit - len(CUT_MARKER)
+    if room < 2:
+        return text[:limit]
+    head = room // 2
+    return text[:head].rstrip() + CUT_MARKER + text[len(text) - (room - head):].lstrip()
+
+
+def official_examples(items, responses, rewards, answer_chars, fmt="default"):
+    """The examples as markdown sections: the input (the user message as the policy saw it, in
+    prompt format `fmt`, without the template: prompts.user_text), the response cut to
+    answer_chars (cut_middle), the feedback."""
     return "\n\n".join(
-        f"# Example {i}\n## Input\n{item.problem.strip()}\n\n## Response\n{response[:answer_chars].strip()}\n\n"
+        f"# Example {i}\n## Input\n{user_text(item.problem, fmt)}\n\n"
+        f"## Response\n{cut_middle(response, answer_chars).strip()}\n\n"
         f"## Feedback\n{official_feedback(response, item.answer.strip(), reward)}"
         for i, (item, response, reward) in enumerate(zip(items, responses, rewards), 1))
 
@@ -408,7 +432,7 @@ def reflection_prompt(cfg, template, minibatch, responses, rewards):
     minibatch's scores under the parent, as reward_fn gave them."""
     if _official(cfg, "reflect_prompt"):
         return OFFICIAL_PROMPT.format(template=template.strip(), examples=official_examples(
-            minibatch, responses, rewards, cfg.reflect_answer_chars))
+            minibatch, responses, rewards, cfg.reflect_answer_chars, getattr(cfg, "prompt_format", "default")))
     records = [reflection_record(it, r, cfg.reflect_answer_chars) for it, r in zip(minibatch, responses)]
     return meta_prompt(template, records)
 
@@ -434,17 +458,18 @@ def max_template_length(cfg):
 def reflection_cut_chars(cfg):
     """The parts of a reflection prompt that longest_reflection_prompt leaves empty, counted as one
     token a character: the parent template (max_template_length), and per minibatch item the answer
-    cut to reflect_answer_chars (ours also shows the extracted answer, cut alike)."""
+    cut to reflect_answer_chars (ours: its start; official: start and end around a marker, the
+    same length in all; ours also shows the extracted answer, cut alike)."""
     per_item = 1 if _official(cfg, "reflect_prompt") else 2
     return max_template_length(cfg) + per_item * cfg.reflect_answer_chars * cfg.gepa_minibatch
 
 
 def longest_reflection_prompt(cfg, problems):
     """The chat messages of the longest reflection call the run can make, but for the parts
-    reflection_cut_chars counts: the b problems with the longest text and answer, an empty parent
-    and empty answers (the official prompt then shows its longest, format-error feedback), in the
-    framing of reflector_framing. config.context_length: tokens of these + reflection_cut_chars +
-    reflect_max_tokens."""
+    reflection_cut_chars counts: the b problems with the longest text and answer (the official
+    prompt shows each as its whole user message), an empty parent and empty answers (the official
+    prompt then shows its longest, format-error feedback), in the framing of reflector_framing.
+    config.context_length: tokens of these + reflection_cut_chars + reflect_max_tokens."""
     longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
     text = reflection_prompt(cfg, "", longest, [""] * len(longest), [0.0] * len(longest))
     prefill = reflector_framing(cfg)["prefill"]
@@ -550,18 +575,37 @@ _FORMAT_CONFLICT = re.compile(r"(do not|don't|never|without|instead of|avoid)\W+
 _SPECIAL = re.compile(r"<\|[^|>]*\|>|<s>|</s>|<bos>|<eos>|\[INST\]")
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def reply_after_thought(text):
+    """A reflector's reply as the reference's reflection server and client read it: a reasoning
+    parser (vLLM's deepseek_r1, which its server ran) drops a leading <think> and splits the rest
+    at the first </think> into the thought and the content; where there is no content (the thought
+    did not finish, nothing follows it, or there are no think tags at all) its client falls back
+    to the thought. So: the text after </think> when something follows it, else the thought.
+        "<think>Plan.</think>\n```\nA\n```"  -> "\n```\nA\n```"
+        "<think>Plan, cut by the token limit"  -> "Plan, cut by the token limit"
+        "```\nA\n```"                          -> "```\nA\n```" (no thought: the reply itself)"""
+    _, opened, rest = text.partition(THINK_OPEN)
+    thought, closed, content = (rest if opened else text).partition(THINK_CLOSE)
+    return content if closed and content else thought
+
+
 def extract_template(text, cfg):
     """The template in a reflector's reply, or None when the reply has none to parse.
     ours: the text between the first <template> and the next </template> (None without them).
-    official: between the first and the last ``` when the reply has at least two, else the
-    whole reply; then backticks and whitespace trimmed, and a first line that is only a
-    "markdown" language tag dropped (the reference drops any leading "markdown", which would also
-    cut a template that starts with that word)."""
+    official: in the reply after its thought (reply_after_thought), what lies between the first
+    and the last ``` with the whitespace around it trimmed (inline `code` in it is kept) when there
+    are at least two, else the whole reply with backticks and whitespace trimmed at its ends; then
+    a first line that is only a "markdown" language tag is dropped (the reference drops any
+    leading "markdown", which would also cut a template that starts with that word)."""
     if _official(cfg, "reflect_prompt"):
-        text = text.strip()
+        text = reply_after_thought(text).strip()
         if text.count("```") >= 2:
-            text = text[text.find("```") + 3:text.rfind("```")]
-        text = text.strip("`" + string.whitespace)
+            text = text[text.find("```") + 3:text.rfind("```")].strip()
+        else:
+            text = text.strip("`" + string.whitespace)
         first, _, rest = text.partition("\n")
         return (rest if first.strip().lower() == "markdown" else text).strip()
     start = text.find(DELIM_OPEN)

@@ -10,15 +10,19 @@
 
 A prompt is either chat messages (a list of {"role", "content"} dicts, rendered with the model's
 chat template and a generation prompt) or a raw string. Both backends tokenise prompts with the
-same `encode_prompt`, so their prompt ids are identical. `response_ids` include the EOS token that
-ended a finished answer ("stop"); an answer cut by `max_tokens` ends with finish_reason "length".
+same `encode_prompt`, so their prompt ids are identical; the chat template gets the engine's
+`chat_template_kwargs`, or a call's own (`generate(..., chat_template_kwargs={...})`: the
+reflector's). `top_k` 0 (the default) is no top-k cut, as in vLLM's SamplingParams.
+`response_ids` include the EOS token that ended a finished answer ("stop"); an answer cut by
+`max_tokens` ends with finish_reason "length".
 
 `stop` strings end an answer (kept at the end of its text, finish_reason "stop"). A chat prompt
 whose last message is an assistant turn is a prefill that the answer continues.
 
 `logprobs` (when asked) are the log-probabilities of the sampled tokens under the distribution
-that was actually sampled from, i.e. after temperature and top-p (vLLM "processed_logprobs",
-HF generate's processed scores); for greedy decoding that is the raw model distribution.
+that was actually sampled from, i.e. after temperature, top-k and top-p (vLLM
+"processed_logprobs", HF generate's processed scores); for greedy decoding that is the raw model
+distribution.
 
 GEPA's reflectors share one interface, `reflect(prompts) -> [(text, finished) | None, ...]`:
 `EngineReflector` on an engine above (the current policy, the frozen starting weights swapped in,
@@ -273,17 +277,18 @@ class VLLMRollout:
         torch.manual_seed(generator_seed(seed, self.rank))
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
-                 logprobs=False, ignore_eos=False, progress=False, stop=None):
+                 logprobs=False, ignore_eos=False, progress=False, stop=None, top_k=0, chat_template_kwargs=None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
+        kwargs = self.chat_template_kwargs if chat_template_kwargs is None else chat_template_kwargs
+        ids = [encode_prompt(self.tokenizer, p, kwargs) for p in prompts]
         longest = max(map(len, ids), default=0)
         if longest + max_tokens > self.max_model_len:
             raise ContextError(f"a prompt of {longest} tokens + max_tokens={max_tokens} does not fit the engine's context "
                                f"of {self.max_model_len} tokens (max_model_len): its answer would be cut short")
-        params = [SamplingParams(n=k, temperature=t, top_p=top_p, max_tokens=max_tokens,
+        params = [SamplingParams(n=k, temperature=t, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                  logprobs=0 if logprobs else None, ignore_eos=ignore_eos,
                                  stop=stop, include_stop_str_in_output=True)
                   for k, t in zip(_per_prompt(n, len(prompts)), _per_prompt(temperature, len(prompts)))]
@@ -401,10 +406,11 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
-                 logprobs=False, ignore_eos=False, progress=False, stop=None):
+                 logprobs=False, ignore_eos=False, progress=False, stop=None, top_k=0, chat_template_kwargs=None):
         if seed is not None:  # as VLLMRollout on the CPU: ranks draw different streams
             torch.manual_seed(generator_seed(seed, self.rank))
-        ids = [encode_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
+        kwargs = self.chat_template_kwargs if chat_template_kwargs is None else chat_template_kwargs
+        ids = [encode_prompt(self.tokenizer, p, kwargs) for p in prompts]
         counts, temperatures = _per_prompt(n, len(prompts)), _per_prompt(temperature, len(prompts))
         flat = [(x, t) for x, k, t in zip(ids, counts, temperatures) for _ in range(k)]  # groups contiguous
         samples = [None] * len(flat)
@@ -412,13 +418,13 @@ class HFRollout:
             rows = [i for i, (_, ti) in enumerate(flat) if ti == t]
             for s in tqdm(range(0, len(rows), self.batch_size), desc="hf generate", disable=not progress):
                 batch = rows[s:s + self.batch_size]
-                for i, sample in zip(batch, self._generate_batch([flat[i][0] for i in batch], t, top_p, max_tokens,
-                                                                 logprobs, ignore_eos, stop)):
+                for i, sample in zip(batch, self._generate_batch([flat[i][0] for i in batch], t, top_p, top_k,
+                                                                 max_tokens, logprobs, ignore_eos, stop)):
                     samples[i] = sample
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         return [samples[o:o + k] for o, k in zip(offsets, counts)]
 
-    def _generate_batch(self, batch, temperature, top_p, max_tokens, logprobs, ignore_eos, stop):
+    def _generate_batch(self, batch, temperature, top_p, top_k, max_tokens, logprobs, ignore_eos, stop):
         width = max(map(len, batch))
         device = self.model.device
         input_ids = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in batch], device=device)  # left pad
@@ -428,7 +434,7 @@ class HFRollout:
             input_ids=input_ids, attention_mask=attention, max_new_tokens=max_tokens,
             min_new_tokens=max_tokens if ignore_eos else 0, do_sample=sampling,
             temperature=temperature if sampling else None, top_p=top_p if sampling else None,
-            top_k=0 if sampling else None, pad_token_id=self.pad_id,
+            top_k=top_k if sampling else None, pad_token_id=self.pad_id,  # top_k 0: off, as in vLLM
             output_scores=logprobs, return_dict_in_generate=True,
             stop_strings=stop, tokenizer=self.tokenizer if stop else None)
         new = out.sequences[:, width:]  # [b, T_new]
@@ -508,14 +514,18 @@ class EngineReflector:
     itself. gepa.reflector_framing(cfg) gives both per --reflect_prompt; the official prompt's
     (prefill "", stop []) sends the prompt as the one user message and reads the whole reply.
     The returned text starts with the prefill; `finished` is False when the reply ran out of tokens
-    first. Seeds: self.seed for a call, advanced by its number of prompts.
+    first. Seeds: self.seed for a call, advanced by its number of prompts. top_p, top_k (0: off)
+    and chat_template_kwargs (None: the engine's own; e.g. {"enable_thinking": True}) go to
+    every generate call. A reply that thinks keeps its think block: the official parser reads
+    past it (gepa.reply_after_thought).
     Generated tokens are policy compute: counts["reflection_tokens"]."""
 
     def __init__(self, engine, temperature=0.8, max_tokens=120, seed=0, counts=None, swap=None, restore=None,
-                 prefill=None, stop=None):
+                 prefill=None, stop=None, top_p=1.0, top_k=0, chat_template_kwargs=None):
         if (swap is None) != (restore is None):
             raise ValueError("swap and restore go together: the weights to reflect with and those to put back")
         self.engine, self.temperature, self.max_tokens, self.seed = engine, temperature, max_tokens, seed
+        self.top_p, self.top_k, self.chat_template_kwargs = top_p, top_k, chat_template_kwargs
         self.counts = Counter() if counts is None else counts
         self.swap, self.restore = swap, restore
         from gepa import DELIM_CLOSE, DELIM_OPEN  # the delimiters the guards parse
@@ -536,7 +546,8 @@ class EngineReflector:
         try:
             out = self.engine.generate(
                 [[{"role": "user", "content": p}, *prefill] for p in prompts],
-                n=1, temperature=self.temperature, max_tokens=self.max_tokens, seed=self.seed, stop=self.stop or None)
+                n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
+                seed=self.seed, stop=self.stop or None, chat_template_kwargs=self.chat_template_kwargs)
         finally:
             if self.swap is not None:
                 self.engine.push_weights(current() if callable(current) else current)
@@ -566,13 +577,23 @@ class OpenAIReflector:
     a body that is not a chat completion) is not. A prompt that still fails gives None: the
     caller counts and skips it. The teacher writes the delimiters itself (no prefill: hosted APIs
     do not continue an assistant turn). The API key is read from the environment variable
-    `api_key_env` and only ever sent in the Authorization header."""
+    `api_key_env` and only ever sent in the Authorization header.
+
+    Sampling and the chat template: the body always carries temperature, max_tokens and seed;
+    top_p only below 1, top_k only above 0 and chat_template_kwargs only when given (vLLM's server
+    reads these fields; a hosted API may refuse ones it does not know), so that by default the
+    server's own defaults apply (`vllm serve`: the model's generation_config, e.g. Qwen3's top_p
+    0.95, top_k 20). A reply whose `content` is null (a server's reasoning parser found a thought
+    and nothing after it) gives the thought (`reasoning_content`, or vLLM's newer `reasoning`), as
+    the reference code's client does."""
 
     def __init__(self, base_url, model="", api_key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
-                 workers=4, temperature=0.8, max_tokens=120, seed=0, counts=None):
+                 workers=4, temperature=0.8, max_tokens=120, seed=0, counts=None, top_p=1.0, top_k=0,
+                 chat_template_kwargs=None):
         self.base_url, self.timeout, self.retries, self.backoff = base_url.rstrip("/"), timeout, retries, backoff
         self._key, self.workers = os.environ.get(api_key_env, ""), workers
         self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
+        self.top_p, self.top_k, self.chat_template_kwargs = top_p, top_k, chat_template_kwargs
         self.counts = Counter() if counts is None else counts
         self.calls = self.failures = self.tokens = 0
         try:
@@ -593,15 +614,29 @@ class OpenAIReflector:
         with urllib.request.urlopen(request, timeout=self.timeout) as response:
             return json.loads(response.read().decode("utf-8"))
 
-    def _complete(self, prompt, temperature, max_tokens, seed):
-        """(text, finished, completion tokens) or None after the retries."""
+    def _body(self, prompt, temperature, max_tokens, seed):
+        """The /chat/completions request for one prompt (the optional fields: see the class)."""
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+        if self.top_p < 1:
+            body["top_p"] = self.top_p
+        if self.top_k > 0:
+            body["top_k"] = self.top_k
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        return body
+
+    def _complete(self, prompt, temperature, max_tokens, seed):
+        """(text, finished, completion tokens) or None after the retries."""
+        body = self._body(prompt, temperature, max_tokens, seed)
         for attempt in range(self.retries + 1):
             try:
                 out = self._request("/chat/completions", body)
                 choice = out["choices"][0]
-                text = choice["message"]["content"]
+                message = choice["message"]
+                text = message["content"]
+                if text is None:  # a reasoning parser's unfinished (or answerless) thought
+                    text = message.get("reasoning_content") or message.get("reasoning")
                 if not isinstance(text, str):
                     return None  # garbage: retrying will not help
                 usage = out.get("usage") or {}
@@ -642,14 +677,18 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
     swapped into the training engine for the reflection calls, then `weights`, the policy's full
     state dict, put back: Self-Ref), `policy` (the training engine as it is), or another local
     model (its own engine). `cfg`: train.Config. Its seeds continue from the run's count of
-    reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt.
-    `initial`: the starting weights for Self-Ref (a state dict, or a function giving (name,
-    tensor) pairs, as `weights` may be: a LoRA policy's base with its adapters off); None: loaded
-    from model_path."""
-    from gepa import reflector_framing  # gepa imports nothing of ours but verify; lazy all the same
+    reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt; every
+    reflector samples with --reflect_temperature, --reflect_top_p, --reflect_top_k and applies
+    --reflect_chat_template_kwargs (when '': an engine's own chat_template_kwargs, nothing sent
+    to a server). `initial`: the starting weights for Self-Ref (a state dict, or a function giving
+    (name, tensor) pairs, as `weights` may be: a LoRA policy's base with its adapters off); None:
+    loaded from model_path."""
+    from config import reflector_chat_kwargs  # config imports this module: lazy
+    from gepa import reflector_framing  # gepa imports nothing of ours but verify and prompts; lazy all the same
 
     seed = cfg.seed * 7 + counts["reflection_calls"]
-    settings = dict(temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens, seed=seed, counts=counts)
+    settings = dict(temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens, seed=seed, counts=counts,
+                    top_p=cfg.reflect_top_p, top_k=cfg.reflect_top_k, chat_template_kwargs=reflector_chat_kwargs(cfg))
     if remote_reflector(cfg):
         try:
             return OpenAIReflector(cfg.reflector, cfg.reflector_model, cfg.reflector_api_key_env,

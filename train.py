@@ -134,6 +134,9 @@ class Config:
     reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
     reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
     reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
+    reflect_top_p: float = 1.0  # the reflector's nucleus sampling (the official preset: 0.95, Qwen3's generation_config)
+    reflect_top_k: int = 0  # the reflector's top-k (0 = off; the official preset: 20, Qwen3's generation_config)
+    reflect_chat_template_kwargs: str = ""  # JSON for the reflector's chat template ('' = the engine's own; nothing sent to a server), e.g. '{"enable_thinking": true}'
     same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
     seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
     fixed_template: str = ""  # algo=grpo: a templates file whose first line templates every rollout from step 1 (no GEPA)

@@ -3,6 +3,7 @@
     python data/prep.py                                   # every named set -> data/public/{name}.jsonl
     python data/prep.py aime24 math500                    # some of them
     python data/prep.py deepscaler --limit=5000 --seed=0  # the paper's 5K training subset
+    python data/prep.py deepmath --split=reference        # the reference code's DeepMath train/test files
     python data/prep.py FILE.jsonl --problem=COL --answer=COL [--id=COL] [--solution=COL] [--source=NAME] [--out=PATH]
     python data/prep.py FILE.parquet ...                  # the same options; FILE.csv too
     python data/prep.py hub:OWNER/NAME [--config=NAME] [--split=train] --problem=COL --answer=COL ... [--out=PATH]
@@ -24,7 +25,10 @@ Rows become {id, problem, answer, solution?, source}:
 - answer: numbers are written plainly (42, 2.5; 42.0 -> "42"); one outer $...$ is removed; a list is
   a multi-part answer: each part loses its own $...$ and the parts are joined with ", " (verify.py
   scores \\boxed{1, 2} 1 against "1, 2"); a list of one part is that part. MATH's answer is the last
-  \\boxed{...} of its solution. DeepMath-103K keeps difficulty >= 7 (the paper's hard subset).
+  \\boxed{...} of its solution. DeepMath-103K keeps difficulty >= 7 (the paper's hard subset);
+  with --split=reference, the P²O reference code's split of it instead (reference_deepmath_split:
+  answer types re-weighted per difficulty level, seeded), written as deepmath_reference_train.jsonl
+  (5,000 problems) and deepmath_reference_test.jsonl (500).
 - id: {name}-{id column}, or without one {name}- and 12 hex digits of the problem's SHA-256 (the
   same across runs and row orders). A row repeating an earlier row's problem and answer is dropped
   ("duplicate row": DAPO-Math-17k repeats each problem 100 times); a row whose id is taken by an
@@ -329,6 +333,121 @@ def describe_drops(dropped):
     return ", ".join(f"{why}: {n}" for why, n in dropped.items()) or "none"
 
 
+# ----------------------------------------------------------------------------- the reference's DeepMath split
+
+# The P²O reference code's DeepMath files (zlkqz/P2O scripts/data_process/DeepMath-103K.py, the
+# `very_hard_le_7/balanced` train_5000 and test_500 its script trains and validates on), rebuilt
+# from the hub table in our own code: same rows, same order, same seeds.
+REFERENCE, REFERENCE_SEED = "reference", 42  # --split=reference; the seed of every draw it makes
+REFERENCE_COLUMNS = ("question", "final_answer", "difficulty")
+
+_INTEGER, _DECIMAL, _RATIO = re.compile(r"-?\d+"), re.compile(r"-?\d+\.\d+"), re.compile(r"-?\d+/\d+")
+_PERCENT, _WITH_UNIT = re.compile(r"-?\d+\.?\d*%"), re.compile(r"-?\d+\.?\d*\s*[a-zA-Z]+")
+_LETTER = re.compile(r"[A-Za-z]|\([A-Za-z]\)")
+_BRACKETED_LIST = re.compile(r"[\[(].*,.*[\])]")
+
+
+def answer_type(answer):
+    """The reference's answer type of a `final_answer`, by the first rule that holds: empty ("" or
+    None), yes_no (yes/no/true/false, any case), multiple_choice ("B", "(b)"), numeric ("12",
+    "-0.5", "3/4"), percentage ("12%", "2.5%"), numeric_with_unit ("5 cm", "2x"),
+    mathematical_symbol (any of √ π ∞ ∑ ∫; LaTeX like \\pi does not count), interval_set (starts
+    with ( or [, ends with ) or ], holds a comma: "(0, 1]", "(1,2)"), text_answer (over five
+    words), other ("x^2+1", "\\frac{1}{2}"). Its coordinate rule comes after interval_set, which
+    takes every coordinate first, so it never holds and is left out."""
+    if answer is None or answer == "":
+        return "empty"
+    text = str(answer).strip()
+    if text.lower() in ("yes", "no", "true", "false"):
+        return "yes_no"
+    rules = ((_LETTER, "multiple_choice"), (_INTEGER, "numeric"), (_DECIMAL, "numeric"), (_RATIO, "numeric"),
+             (_PERCENT, "percentage"), (_WITH_UNIT, "numeric_with_unit"))
+    for pattern, kind in rules:
+        if pattern.fullmatch(text):
+            return kind
+    if any(c in text for c in "√π∞∑∫"):
+        return "mathematical_symbol"
+    if _BRACKETED_LIST.fullmatch(text):
+        return "interval_set"
+    return "text_answer" if len(text.split()) > 5 else "other"
+
+
+def _level_quota(type_counts, yes_no_share, power):
+    """{answer type: rows to keep} for one difficulty level, types in `type_counts`' order:
+    the non-yes/no types share int(n (1 - yes_no_share)) rows (n: the level's rows), each in
+    proportion to count^power, rounded down; yes/no rows are capped at yes_no_share of the total,
+    int(those quotas' sum x share / (1 - share)). A quota may exceed its type's rows (a rare type
+    gets a large share): all of them are kept, and the yes/no cap still counts the quota.
+    E.g. {numeric: 64, other: 16, yes_no: 20}, share 0.05, power 0.5: weights 8 and 4, 95 rows
+    -> {numeric: 63, other: 31, yes_no: 4}."""
+    total = sum(type_counts.values())
+    quota = {}
+    weights = {kind: n ** power for kind, n in type_counts.items() if kind != "yes_no"}
+    if weights:
+        mass, target = sum(weights.values()), int(total * (1 - yes_no_share))
+        quota = {kind: int(w / mass * target) for kind, w in weights.items()}
+    if "yes_no" in type_counts:
+        quota["yes_no"] = min(type_counts["yes_no"], int(sum(quota.values()) * yes_no_share / (1 - yes_no_share)))
+    return quota
+
+
+def balance_answer_types(rows, yes_no_share=0.05, power=0.5, seed=REFERENCE_SEED):
+    """The reference's balance_dataset_by_answer_type: the rows to keep (a new list). Rows with an
+    empty final_answer are dropped; then, level by level in increasing `difficulty`, every answer
+    type (answer_type) is sampled down to its _level_quota with one random.Random(seed) (types in
+    the order they first appear in the level, yes/no last; a type within its quota is kept whole,
+    in row order); the kept rows are shuffled; and where yes/no answers still exceed yes_no_share
+    of them, the yes/no rows are sampled down to int(kept x share) and everything shuffled again."""
+    rng, levels = random.Random(seed), {}
+    for i, row in enumerate(rows):
+        kind = answer_type(row.get("final_answer", ""))
+        if kind != "empty":
+            levels.setdefault(row.get("difficulty", 0), {}).setdefault(kind, []).append(i)
+    kept = []
+    for level in sorted(levels):
+        by_type = levels[level]
+        quota = _level_quota({kind: len(ids) for kind, ids in by_type.items()}, yes_no_share, power)
+        for kind, k in quota.items():
+            ids = by_type[kind]
+            kept += ids if k >= len(ids) else rng.sample(ids, k)
+    rng.shuffle(kept)
+    yes_no = [p for p, i in enumerate(kept) if answer_type(rows[i].get("final_answer", "")) == "yes_no"]
+    if kept and len(yes_no) / len(kept) > yes_no_share:
+        cap = int(len(kept) * yes_no_share)
+        is_yes_no = set(yes_no)
+        others = [p for p in range(len(kept)) if p not in is_yes_no]
+        order = others + (rng.sample(yes_no, cap) if len(yes_no) > cap else yes_no)
+        rng.shuffle(order)
+        kept = [kept[p] for p in order]
+    return [rows[i] for i in kept]
+
+
+def seeded_split(rows, test_size, seed=REFERENCE_SEED):
+    """(rest, test) as the datasets library's train_test_split(test_size=n, seed=seed) cuts a
+    table: numpy's default_rng(seed).permutation of the rows, the first n to test and the rest to
+    train, each in permutation order. At most test_size rows: ([], all of them), as the reference
+    keeps them when its table is that small."""
+    if len(rows) <= test_size:
+        return [], list(rows)
+    import numpy as np  # lazy: only this split needs numpy
+
+    order = np.random.default_rng(seed).permutation(len(rows)).tolist()
+    return [rows[i] for i in order[test_size:]], [rows[i] for i in order[:test_size]]
+
+
+def reference_deepmath_split(rows, test_size=500, train_size=5000, seed=REFERENCE_SEED):
+    """(train, test) rows of the reference's DeepMath run from DeepMath-103K's train table in hub
+    order: the rows of difficulty >= 7, balanced (balance_answer_types), then test = 500 of them
+    (seeded_split) and train = 5,000 of the rest (seeded_split again, keeping its test side); the
+    same seed every time. Each row is cut to REFERENCE_COLUMNS, so the table's long solutions are
+    not held."""
+    too_easy = _difficulty_below(7)
+    hard = [{k: row.get(k) for k in REFERENCE_COLUMNS} for row in rows if not too_easy(row)]
+    rest, test = seeded_split(balance_answer_types(hard, seed=seed), test_size, seed)
+    _, train = seeded_split(rest, train_size, seed)
+    return train, test
+
+
 # ----------------------------------------------------------------------------- reading inputs
 
 
@@ -436,7 +555,8 @@ def _parser():
     for option in ("problem", "answer", "id", "solution"):
         ap.add_argument(f"--{option}", metavar="COL", help=f"column of the {option} (files and hub: inputs)")
     ap.add_argument("--source", metavar="NAME", help="set name: id prefix, source field, output file name")
-    ap.add_argument("--split", help="hub: split (default train)")
+    ap.add_argument("--split", help="hub: split (default train); deepmath: `reference` writes the reference code's "
+                    "split (5,000 train + 500 test problems, seeded) instead of the whole hard subset")
     ap.add_argument("--config", help="hub: config (subset) name")
     ap.add_argument("--limit", type=int, default=0, help="keep a seeded random subset of this size")
     ap.add_argument("--seed", type=int, default=0)
@@ -446,6 +566,13 @@ def _parser():
 
 def _check_args(args, items):
     """Refuse option combinations that would be silently ignored."""
+    if args.split == REFERENCE:
+        if items != ["deepmath"]:
+            raise PrepError(f"--split={REFERENCE} is the reference code's DeepMath split: give the one input deepmath")
+        if args.limit or (args.out and args.out.endswith(".jsonl")):
+            raise PrepError(f"--split={REFERENCE} has its own sizes and writes two files: "
+                            "no --limit, and --out is a folder")
+        args = argparse.Namespace(**{**vars(args), "split": None})  # the other checks as without it
     named = [i for i in items if i in SOURCES]
     given = [f"--{o}" for o in MAPPING_OPTIONS if getattr(args, o)]
     if named and given:
@@ -460,8 +587,36 @@ def _out_path(out, name):
     return os.path.join(out or os.path.join(DATA_DIR, "public"), f"{name}.jsonl")
 
 
+def _write(label, problems, dropped, path):
+    """Write the problems and print what was written and dropped. False if nothing was kept."""
+    n = sum(dropped.values())
+    summary = f"dropped {n} row{'s' * (n != 1)} ({describe_drops(dropped)})" if n else "dropped no rows"
+    if not problems:
+        print(f"{label}: no rows kept, nothing written; {summary}")
+        return False
+    write_jsonl(path, problems)
+    print(f"{label}: wrote {len(problems)} problems to {path}; {summary}")
+    return True
+
+
+def prepare_reference_split(args):
+    """deepmath --split=reference: the reference's train and test files (reference_deepmath_split),
+    converted as the named set is, as {out}/deepmath_reference_train.jsonl and _test.jsonl."""
+    spec = SOURCES["deepmath"]
+    rows = hub_rows(spec["hub"], spec.get("config"), spec["split"])
+    if hasattr(rows, "select_columns"):  # a hub table: leave its long solution columns unread
+        rows = rows.select_columns(list(REFERENCE_COLUMNS))
+    train, test = reference_deepmath_split(rows)
+    written = [_write(f"deepmath --split={REFERENCE} ({part})", *convert("deepmath", part_rows),
+                      _out_path(args.out, f"deepmath_{REFERENCE}_{part}"))
+               for part, part_rows in (("train", train), ("test", test))]
+    return all(written)
+
+
 def prepare(item, args):
     """Convert and write one input; print what was written and dropped. False if nothing was kept."""
+    if args.split == REFERENCE:
+        return prepare_reference_split(args)
     name, spec, rows = open_input(item, args)
     path = _out_path(args.out, name)
     if os.path.abspath(path) == os.path.abspath(item):
@@ -469,14 +624,7 @@ def prepare(item, args):
     problems, dropped = convert(name, rows, spec)
     if args.limit and len(problems) > args.limit:
         problems = random.Random(args.seed).sample(problems, args.limit)
-    n = sum(dropped.values())
-    summary = f"dropped {n} row{'s' * (n != 1)} ({describe_drops(dropped)})" if n else "dropped no rows"
-    if not problems:
-        print(f"{item}: no rows kept, nothing written; {summary}")
-        return False
-    write_jsonl(path, problems)
-    print(f"{item}: wrote {len(problems)} problems to {path}; {summary}")
-    return True
+    return _write(item, problems, dropped, path)
 
 
 def main(argv=None):

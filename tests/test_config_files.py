@@ -50,6 +50,11 @@ OFFICIAL = {
     "gepa_minibatch": (3, "trainer _init_gepa_cfg reflection_minibatch_size=3"),
     "reflect_max_tokens": (2048, "trainer _init_gepa_cfg reflection_max_tokens=2048"),
     "reflect_temperature": (0.6, "trainer: reflection_temperature None -> rollout.temperature"),
+    "reflect_top_p": (0.95, "utils/openaihandler.py:90-96 sends no top_p: vllm serve applies Qwen3-4B's "
+                            "generation_config, top_p 0.95"),
+    "reflect_top_k": (20, "the same: Qwen3-4B's generation_config top_k 20"),
+    "reflect_chat_template_kwargs": ('{"enable_thinking": false}', f"{SCRIPT}:83 thinking_in_reflection=false (the "
+                                     "script's intent; its client's field most likely never reached the template)"),
     "reflect_prompt": ("official", "trainer _build_reflection_prompt: GEPA's instruction-proposal prompt"),
     "reflect_guards": (False, "trainer: a non-empty extracted proposal is evaluated as it is"),
     "gepa_selection": ("official", "trainer _select_pareto_candidate_idx and the parent loop"),

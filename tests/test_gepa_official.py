@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 import train
-from gepa import (DELIM_CLOSE, DELIM_OPEN, dev_cap, extract_template, guard, longest_reflection_prompt,
-                  meta_prompt, official_feedback, official_fronts, parent_weights, reflection_cut_chars,
-                  reflection_prompt, reflection_record, reflector_framing, round_budget, run_gepa, select_parents,
-                  select_parents_official)
+from gepa import (CUT_MARKER, DELIM_CLOSE, DELIM_OPEN, cut_middle, dev_cap, extract_template, guard,
+                  longest_reflection_prompt, meta_prompt, official_feedback, official_fronts, parent_weights,
+                  reflection_cut_chars, reflection_prompt, reflection_record, reflector_framing, reply_after_thought,
+                  round_budget, run_gepa, select_parents, select_parents_official)
 from rollout import EngineReflector, Sample
 
 CFG = train.Config()
@@ -312,11 +312,13 @@ def test_the_official_prompt_shows_template_examples_and_asks_for_domain_facts()
     prompt = reflection_prompt(cfg, "Multiply first.", MB, responses, [1.0, 1.0, 0.0, 0.0])
     assert prompt.startswith("An assistant was given the instruction below for a task I want done:\n"
                              "```\nMultiply first.\n```\n")
-    first = ("# Example 1\n## Input\nTom has 3 apples and buys 4 bags with 5 apples each. How many now?\n\n"
-             "## Response\nI count and count an\n\n"  # cut to 20 characters, then trimmed
+    first = ("# Example 1\n## Input\nTom has 3 apples and buys 4 bags with 5 apples each. How many now?\n"
+             "Put the final answer in \\boxed{}.\n\n"  # the user message as the policy saw it (default format)
+             "## Response\nI count and count an\n\n"  # 20 characters leave no room for the marker: the start
              "## Feedback\nThe final answer is correct. The correct answer is '23'.\n\nReward: 1.00")
     assert "```\n" + first + "\n\n# Example 2\n" in prompt
-    third = "# Example 3\n## Input\nWhat is 2 + 2?\n\n## Response\n\\boxed{5}\n\n## Feedback\nThe final answer is wrong"
+    third = ("# Example 3\n## Input\nWhat is 2 + 2?\nPut the final answer in \\boxed{}.\n\n## Response\n\\boxed{5}\n\n"
+             "## Feedback\nThe final answer is wrong")
     assert third in prompt
     assert "## Response\nseven\n\n## Feedback\nThe final answer has to be given once" in prompt  # no \boxed
     assert "niche, domain-specific facts" in prompt and "infer a detailed description" in prompt
@@ -326,6 +328,27 @@ def test_the_official_prompt_shows_template_examples_and_asks_for_domain_facts()
     # the seed's empty template is an empty block
     assert reflection_prompt(cfg, "", MB[:1], ["x"], [0.0]).startswith("An assistant was given the instruction "
                                                                        "below for a task I want done:\n```\n\n```\n")
+
+
+def test_the_official_prompt_shows_the_official_user_message_and_the_end_of_a_long_answer():
+    cfg = replace(OFFICIAL_PROMPT_CFG, prompt_format="official", reflect_answer_chars=73)
+    response = "Step " + "x" * 200 + " so the answer is \\boxed{4}"
+    prompt = reflection_prompt(cfg, "", MB[2:3], [response], [1.0])
+    shown = "Step xxxxx" + CUT_MARKER + "\\boxed{4}"  # 10 + 53 + 10 characters (" \\boxed{4}", trimmed): the box stays
+    assert ("# Example 1\n## Input\nLet's think step by step and output the final answer within \\boxed{}.\n"
+            f"Question: What is 2 + 2?\n\n## Response\n{shown}\n\n## Feedback\nThe final answer is correct.") in prompt
+
+
+@pytest.mark.parametrize("text, limit, cut", [
+    ("0123456789" * 10, 73, "0123456789" + CUT_MARKER + "0123456789"),
+    ("0123456789" * 10, 74, "0123456789" + CUT_MARKER + "90123456789"),  # an odd room: the end gets the extra one
+    ("0123456789" * 10, 100, "0123456789" * 10),  # fits: whole
+    ("start" + " " * 7 + "z" * 100 + " " * 3 + "\\boxed{7}", 77, "start" + CUT_MARKER + "\\boxed{7}"),  # 12 + 12,
+    # the spaces at the cut trimmed
+    ("0123456789" * 10, 54, "0123456789" * 5 + "0123"),  # no room for one character each side: the start
+])
+def test_cut_middle_keeps_start_and_end(text, limit, cut):
+    assert cut_middle(text, limit) == cut and len(cut) <= limit
 
 
 def test_our_prompt_is_unchanged_by_default():
@@ -345,9 +368,32 @@ def test_our_prompt_is_unchanged_by_default():
     ("```Multiply first.", "Multiply first."),  # one fence: the whole reply, backticks trimmed
     ("Markdown tables help.", "Markdown tables help."),  # a word, not a language tag
     ("```\n\n```", ""),
+    ("```\n`x` first, then `y`\n```", "`x` first, then `y`"),  # inline code inside the fences is kept
+    ("```\nUse `sum`\n```", "Use `sum`"),
+    ("<think>Try ```\nX\n``` maybe.</think>\n\n```\nMultiply first.\n```", "Multiply first."),  # after the thought
+    ("<think>Maybe ```\nAdd first.\n``` or not", "Add first."),  # an unfinished thought is the reply
+    ("<think>Multiply first.</think>", "Multiply first."),  # nothing after the thought: the thought
+    ("<think>Plan.</think>\n\n", ""),  # only whitespace after it: an empty template, as the reference
 ])
 def test_the_official_parser(text, template):
     assert extract_template(text, OFFICIAL_PROMPT_CFG) == template
+
+
+@pytest.mark.parametrize("text, after", [
+    ("<think>\nPlan.\n</think>\n\nReply.", "\n\nReply."),
+    ("<think>\nPlan, cut short", "\nPlan, cut short"),
+    ("<think>Plan.</think>", "Plan."),
+    ("Plan.</think>Reply.", "Reply."),  # a template that opened the thought itself: no <think> in the reply
+    ("Reply without a thought.", "Reply without a thought."),
+    ("Reply.</think>", "Reply."),
+])
+def test_reply_after_thought(text, after):
+    assert reply_after_thought(text) == after
+
+
+def test_our_parser_does_not_read_past_a_thought():
+    assert extract_template("<think>x</think><template>A</template>", CFG) == "A"
+    assert extract_template("<think><template>A</template></think>", CFG) == "A"  # ours: unchanged
 
 
 def test_the_official_prompt_with_guards_on_keeps_them():
@@ -448,13 +494,16 @@ def test_longest_reflection_prompt_ours_is_what_context_length_built():
                                                   {"role": "assistant", "content": DELIM_OPEN}]
 
 
-@pytest.mark.parametrize("prompt", ["ours", "official"])
-def test_no_reflection_prompt_outgrows_the_longest_plus_the_cut(prompt):
+@pytest.mark.parametrize("prompt, fmt, chars", [("ours", "default", 30), ("official", "default", 30),
+                                               ("official", "official", 30), ("official", "official", 80)])
+def test_no_reflection_prompt_outgrows_the_longest_plus_the_cut(prompt, fmt, chars):
     """In characters (context_length counts one token a character for the cut parts): any
-    parent of max_template_chars and any answers of reflect_answer_chars on any b of the problems."""
-    cfg = train.Config(reflect_prompt=prompt, max_template_chars=40, reflect_answer_chars=30, gepa_minibatch=2)
+    parent of max_template_chars and any answers, cut to reflect_answer_chars (80: start and end
+    around the marker), on any b of the problems, shown in either prompt format."""
+    cfg = train.Config(reflect_prompt=prompt, prompt_format=fmt, max_template_chars=40, reflect_answer_chars=chars,
+                       gepa_minibatch=2)
     bound = len(longest_reflection_prompt(cfg, MB)[0]["content"]) + reflection_cut_chars(cfg)
-    answers = ["x" * 30, "y" * 20 + "\\boxed{19}", "\\boxed{1}\\boxed{2}" + "z" * 12]
+    answers = ["x" * chars, "y" * 20 + "\\boxed{19}", "\\boxed{1}\\boxed{2}" + "z" * 12, "w " * chars + "\\boxed{4}"]
     for mb in itertools.combinations(MB, 2):
         for responses in itertools.product(answers, repeat=2):
             for rewards in itertools.product([0.0, 1.0], repeat=2):

@@ -24,7 +24,8 @@ from rollout import OpenAIReflector, ReflectorError, Sample
 
 class Scripted(BaseHTTPRequestHandler):
     """/models lists one model; /chat/completions answers from `script` (one entry per request:
-    an HTTP status, 'garbage', or a text), then repeats the last entry."""
+    an HTTP status, 'garbage', a text, or a dict: the choice's message, its finish reason under
+    "finish_reason"), then repeats the last entry."""
     script, seen = [], []
 
     def log_message(self, *args):
@@ -49,6 +50,10 @@ class Scripted(BaseHTTPRequestHandler):
             self._send(entry, {"error": "scripted"})
         elif entry == "garbage":
             self._send(200, "<html>not json</html>")
+        elif isinstance(entry, dict):
+            message = {k: v for k, v in entry.items() if k != "finish_reason"}
+            self._send(200, {"choices": [{"message": message, "finish_reason": entry.get("finish_reason", "stop")}],
+                             "usage": {"completion_tokens": 7}})
         else:
             self._send(200, {"choices": [{"message": {"content": entry}, "finish_reason": "stop"}],
                              "usage": {"completion_tokens": 7}})
@@ -90,6 +95,44 @@ def test_failed_calls_are_counted_and_skipped(server, script, requests):
     assert teacher.reflect(["a"]) == [None]
     assert len(Scripted.seen) == requests  # 5xx retried (1 + 2), garbage and 4xx not
     assert (teacher.calls, teacher.failures, teacher.tokens) == (1, 1, 0)
+
+
+def test_sampling_and_chat_template_fields_are_sent_only_when_set(server):
+    """top_p below 1, top_k above 0 and chat_template_kwargs go in the body (vLLM's server reads
+    them); at their neutral values nothing is sent, so the server's own defaults stand."""
+    Scripted.script[:] = ["<template>a</template>"]
+    OpenAIReflector(server, retries=0).reflect(["p"])
+    body, _ = Scripted.seen[-1]
+    assert set(body) == {"model", "messages", "temperature", "max_tokens", "seed"}
+    thinking = {"enable_thinking": True}
+    OpenAIReflector(server, retries=0, top_p=0.95, top_k=20, chat_template_kwargs=thinking).reflect(["p"])
+    body, _ = Scripted.seen[-1]
+    assert (body["top_p"], body["top_k"], body["chat_template_kwargs"]) == (0.95, 20, {"enable_thinking": True})
+
+
+@pytest.mark.parametrize("message, reply", [
+    ({"content": None, "reasoning_content": "Plan: ```\nAdd units.\n```", "finish_reason": "length"},
+     ("Plan: ```\nAdd units.\n```", False)),  # vLLM 0.11's field: an unfinished thought
+    ({"content": None, "reasoning": "Think more.", "finish_reason": "stop"}, ("Think more.", True)),  # newer vLLM
+    ({"content": "```\nA\n```", "reasoning_content": "Plan."}, ("```\nA\n```", True)),  # content wins
+    ({"content": None}, None),  # nothing at all: a failed call
+])
+def test_a_null_content_falls_back_to_the_thought(server, message, reply):
+    Scripted.script[:] = [message]
+    assert OpenAIReflector(server, retries=0).reflect(["p"]) == [reply]
+
+
+def test_make_reflector_sends_the_reflector_settings_to_a_server(server):
+    Scripted.script[:] = ["```\nA\n```"]
+    cfg = train.Config(reflector=server, reflect_top_p=0.95, reflect_top_k=20, reflector_retries=0,
+                       reflect_chat_template_kwargs='{"enable_thinking": true}', chat_template_kwargs='{"x": 1}')
+    train.make_reflector(cfg, None, None, None, Counter()).reflect(["p"])
+    body, _ = Scripted.seen[-1]
+    assert (body["top_p"], body["top_k"], body["chat_template_kwargs"]) == (0.95, 20, {"enable_thinking": True})
+    train.make_reflector(train.Config(reflector=server, chat_template_kwargs='{"x": 1}'), None, None, None,
+                         Counter()).reflect(["p"])
+    body, _ = Scripted.seen[-1]  # '' sends nothing: the policy's chat_template_kwargs are not the teacher's
+    assert "chat_template_kwargs" not in body and "top_k" not in body and "top_p" not in body
 
 
 def test_an_unreachable_or_wrong_server_is_a_clear_error(server):
