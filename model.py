@@ -204,8 +204,14 @@ def _flex(device_type):
 
     if device_type != "cuda":
         return flex_attention
-    if not _COMPILED_FLEX:  # once per process (a new micro-batch length recompiles once, then shapes go dynamic)
-        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    if not _COMPILED_FLEX:  # once per process
+        # dynamic shapes from the first call: one graph serves every packed length and sequence
+        # count, so the graphs are bounded (a count of 1 is specialised, grad and no-grad differ:
+        # 4 at most; counted by bench/gpu_vllm.py's flex_long). A static first graph would
+        # recompile per shape until dynamo's limit (8), then run flex eagerly, which builds the
+        # whole [L, L] scores. (torch 2.13's CPU codegen fails on dynamic flex; the CPU does not
+        # compile flex.)
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=True))
     return _COMPILED_FLEX[0]
 
 

@@ -44,6 +44,7 @@ torchrun job. On CUDA every request carries its own `SamplingParams(seed=...)`, 
 global torch generator is seeded instead (details in `seed_requests`).
 """
 
+import functools
 import hashlib
 import json
 import logging
@@ -112,9 +113,20 @@ def checksum(tensors, dtype, chunk=1 << 24):
 
 def _engine_checksums(worker):
     """Runs inside the vLLM worker (collective_rpc): per-parameter checksums of the live model.
-    Parameters emptied by a backend that repacked them (vLLM-CPU's oneDNN linears) are skipped."""
+    Parameters emptied by a backend that repacked them (vLLM-CPU's oneDNN linears) are skipped.
+    A vocabulary vLLM padded (to a multiple of 64: an embedding or head with org_vocab_size rows
+    of its own) is checked on those rows when the padding rows are zero, as the loader leaves
+    them; padding rows that are not zero keep the whole parameter, whose count then fails."""
     model = worker.model_runner.get_model()
-    sums = {n: checksum([p], p.dtype) for n, p in model.named_parameters() if p.numel() > 0}
+    own_rows = {f"{n}.weight": m.org_vocab_size for n, m in model.named_modules() if hasattr(m, "org_vocab_size")}
+    sums = {}
+    for n, p in model.named_parameters():
+        if p.numel() == 0:
+            continue
+        rows = own_rows.get(n, p.shape[0])
+        if rows < p.shape[0] and not p[rows:].any():
+            p = p[:rows]
+        sums[n] = checksum([p], p.dtype)
     return sums, dict(getattr(model, "packed_modules_mapping", {}))
 
 
@@ -157,6 +169,28 @@ def _sampled_logprob(entry, token_id):
 def named_tensors(weights):
     """A state dict, or an iterable of (name, tensor) pairs (e.g. dist.full_parameters), as pairs."""
     return weights.items() if isinstance(weights, dict) else weights
+
+
+class PreparedWeights:
+    """Weights pushed many times (Self-Ref swaps the starting weights in and the policy back for
+    every reflection call), prepared once: each tensor cast to the engine's dtype (in pinned
+    host memory on CUDA, so the copy to the GPU is a plain DMA) with its push checksum. A push
+    of these skips the cast and the checksum of what goes in; the engine's side is still read
+    and compared. `weights`: a state dict, (name, tensor) pairs, or a function giving them.
+    Iterates as (name, tensor) pairs, so any engine's push_weights takes it."""
+
+    def __init__(self, weights, dtype=None):
+        pin = torch.cuda.is_available()
+        self.tensors, self.sums = [], {}
+        for name, tensor in named_tensors(weights() if callable(weights) else weights):
+            tensor = tensor.detach().to(dtype or tensor.dtype, copy=True)
+            if pin:
+                tensor = tensor.pin_memory()
+            self.tensors.append((name, tensor))
+            self.sums[name] = checksum([tensor], tensor.dtype)
+
+    def __iter__(self):
+        return iter(self.tensors)
 
 
 def request_seed_base(seed, rank):
@@ -257,7 +291,10 @@ class VLLMRollout:
         draws its seed from numpy, seeded alike on every rank): request i gets
         request_seed_base(seed, rank) + the number of samples of the requests before it, and
         vLLM gives its child j that seed + j (v1/engine/parallel_sampling.py). Every sample of a
-        call has its own seed, independent of batching and of what the prefix cache holds.
+        call has its own seed, so its sampling noise does not depend on the batch; the logits it
+        perturbs do (CUDA kernels are not batch-invariant unless VLLM_BATCH_INVARIANT=1, and a
+        repeated call may prefill less from the prefix cache): a repeat reproduces most samples,
+        not all of them bit for bit (docs/GPU.md "Seeds").
 
         vLLM-CPU: per-request seeds crash vLLM-CPU 0.32 whenever chunked prefill discards a
         sampled token ("CPU Generator does not use offset"). The engine runs in this process and
@@ -350,12 +387,17 @@ class VLLMRollout:
         self.wake("weights")
         sent = {}  # HF name -> checksum of the tensor as it went in
 
+        prepared = isinstance(weights, PreparedWeights) and all(t.dtype == self.dtype for _, t in weights)
+
         def stream():
             for name, tensor in named_tensors(weights):
                 if self.tied_embeddings and name == "lm_head.weight":
                     continue
-                tensor = tensor.detach().to(self.dtype)
-                sent[name] = checksum([tensor], self.dtype)
+                if prepared:  # cast and summed once (Self-Ref's weights, pushed for every reflection)
+                    sent[name] = weights.sums[name]
+                else:
+                    tensor = tensor.detach().to(self.dtype)
+                    sent[name] = checksum([tensor], self.dtype)
                 yield name, tensor
 
         items = stream()
@@ -676,7 +718,8 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
     an http(s) server (Teacher-Ref over the OpenAI API), `init` (the frozen starting weights,
     swapped into the training engine for the reflection calls, then `weights`, the policy's full
     state dict, put back: Self-Ref), `policy` (the training engine as it is), or another local
-    model (its own engine). `cfg`: train.Config. Its seeds continue from the run's count of
+    model (its own engine); the two Self-Ref weight sets are prepared once (PreparedWeights: cast
+    to the engine's dtype, summed) for the round's many pushes. `cfg`: train.Config. Its seeds continue from the run's count of
     reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt; every
     reflector samples with --reflect_temperature, --reflect_top_p, --reflect_top_k and applies
     --reflect_chat_template_kwargs (when '': an engine's own chat_template_kwargs, nothing sent
@@ -700,7 +743,9 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
         if initial is None:
             from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import
             initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
-        return EngineReflector(engine, swap=initial, restore=weights, **settings)
+        prepare = functools.partial(PreparedWeights, dtype=getattr(engine, "dtype", None))  # cast once a round
+        return EngineReflector(engine, swap=prepare(initial), restore=weights if weights is None else prepare(weights),
+                               **settings)
     if cfg.reflector == "policy":
         return EngineReflector(engine, **settings)
     from model import resolve_model

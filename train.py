@@ -92,7 +92,7 @@ class Config:
     max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (context_length)
     kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
     gpu_memory_utilization: float = 0.4  # GPU: share of the GPU vLLM may take; the trainer shares the GPU
-    vllm_sleep_level: int = 1  # GPU: while training, 1 = offload vLLM's weights and drop its KV cache, 2 = drop both (re-pushed every step), 0 = off
+    vllm_sleep_level: int = 2  # GPU: while training, 2 = drop vLLM's weights and KV cache (the push refills them), 1 = offload the weights to the host, 0 = off
     enforce_eager: bool = False  # GPU: vLLM without CUDA graphs (starts faster, decodes slower); vLLM-CPU always runs eager
     cpu_threads: int = 0  # GPU: torch CPU threads per process (0 = the cores this process may use / processes on the node); vLLM would leave 1
     algo: str = "p2o"  # p2o | grpo | sft (supervised: each problem's gold solution is its one rollout, A = 1)
@@ -267,7 +267,10 @@ class MicroBatch:
 
 
 def autocast(cfg, device):
-    return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16)
+    """bf16 autocast for the training forward. Its cache keeps each fp32 weight's bf16 cast until
+    the outermost region exits (one process: a step's region, 2 bytes a parameter, cast once a
+    step); under FSDP it would keep every gathered layer's cast for the whole forward: off there."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16, cache_enabled=not dist.active())
 
 
 def selected_logprobs(model, input_ids, attention, targets, temperature, chunk, with_entropy=False, loss_mask=None,
@@ -766,7 +769,8 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
         torch.set_num_threads(cpu_threads(cfg.cpu_threads))
     trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters; the base has no state
     optimizer = torch.optim.AdamW(trained, lr=learning_rate(cfg), betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda" or None)  # CUDA: no full-size foreach temporary
     if is_main and cfg.lora_rank:
         print(f"{lora.describe(policy)}; lr {learning_rate(cfg):g}")
     warmup = functools.partial(warmup_factor, cfg.warmup_steps, cfg.warmup_from_zero)

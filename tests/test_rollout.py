@@ -1,5 +1,6 @@
 """rollout.py: vLLM and HF backends (prompt ids, EOS, stop strings, log-probs within 1e-3) and the verified weight push."""
 
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -427,3 +428,64 @@ def test_a_request_that_cannot_fit_the_context_is_an_error_not_a_short_answer(ti
     assert vllm_engine.max_model_len == 1024  # the real engine reports the context it was built with
     with pytest.raises(ContextError):
         vllm_engine.generate([prompt], max_tokens=1024)
+
+
+def test_prepared_weights_push_as_a_state_dict_does_and_are_verified_with_their_own_sums(vllm_engine, hf_model):
+    """Self-Ref pushes the same two weight sets for every reflection: PreparedWeights casts and sums
+    them once. A push of them leaves the engine answering exactly as a push of the state dict; the
+    sums they carry are those of the cast tensors, and they are what the engine is checked
+    against: a prepared tensor changed after its sum was taken fails the push."""
+    from rollout import PreparedWeights, checksum
+
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    gen = torch.Generator().manual_seed(5)
+    perturbed = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    prepared = PreparedWeights(lambda: iter(perturbed.items()), vllm_engine.dtype)
+    assert [n for n, _ in prepared] == list(perturbed)
+    emb = "model.embed_tokens.weight"
+    assert prepared.sums[emb] == checksum([perturbed[emb].to(vllm_engine.dtype)], vllm_engine.dtype)
+    try:
+        vllm_engine.push_weights(perturbed)
+        want = vllm_engine.generate(PROMPTS, n=1, temperature=0, max_tokens=16, logprobs=True)
+        vllm_engine.push_weights(original)
+        assert vllm_engine.push_weights(prepared)["verified"] > 0
+        got = vllm_engine.generate(PROMPTS, n=1, temperature=0, max_tokens=16, logprobs=True)
+        assert [(g[0].response_ids, g[0].logprobs) for g in got] == [(g[0].response_ids, g[0].logprobs) for g in want]
+        dict(prepared.tensors)[emb][0, 0] += 1.0  # the cached sum no longer describes what is pushed
+        with pytest.raises(WeightPushError, match=f"{emb} does not hold the pushed values"):
+            vllm_engine.push_weights(prepared)
+    finally:
+        vllm_engine.push_weights(original)
+
+
+def test_self_ref_prepares_both_weight_sets_once_in_the_engine_dtype(tiny_model):
+    import train
+    from rollout import PreparedWeights, make_reflector
+
+    policy = perturbed_weights(tiny_model).state_dict()
+    engine = SimpleNamespace(dtype=torch.bfloat16)
+    reflector = make_reflector(train.Config(reflector="init"), engine, tiny_model, policy, Counter())
+    for prepared in (reflector.swap, reflector.restore):
+        assert isinstance(prepared, PreparedWeights) and {t.dtype for _, t in prepared} == {torch.bfloat16}
+    assert torch.equal(dict(reflector.restore.tensors)["model.norm.weight"], policy["model.norm.weight"].bfloat16())
+    assert not torch.equal(dict(reflector.swap.tensors)["model.norm.weight"], policy["model.norm.weight"].bfloat16())
+
+
+def test_a_vocabulary_padded_by_the_engine_is_checked_on_its_own_rows():
+    """vLLM pads an embedding to a multiple of 64 rows and zeroes the padding: the engine's checksum
+    covers the org_vocab_size rows a push sends (else every push of such a model raised on the
+    count). Padding that is not zero keeps the whole parameter in the sum, and the count differs."""
+    from rollout import _engine_checksums, checksum
+
+    embed = torch.nn.Embedding(64, 4)
+    embed.org_vocab_size = 50
+    with torch.no_grad():
+        embed.weight[50:] = 0
+    model = torch.nn.ModuleDict({"embed": embed})
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: model))
+    sums, _ = _engine_checksums(worker)
+    assert sums["embed.weight"] == checksum([embed.weight[:50]], embed.weight.dtype)
+    with torch.no_grad():
+        embed.weight[60, 1] = 1.0
+    sums, _ = _engine_checksums(worker)
+    assert sums["embed.weight"][0] == 64 * 4

@@ -987,3 +987,15 @@ def test_a_step_that_trains_nothing_pushes_only_after_a_level_two_sleep(tiny_mod
     assert out["step"] == 2 and all(m["trained_rows"] == 0 for m in read_metrics(tmp_path / "t"))
     step = ["generate", "sleep", "push"] if level == 2 else ["generate", "sleep"]
     assert engine.calls == step * 2
+
+
+def test_autocast_caches_weight_casts_in_one_process_only(monkeypatch):
+    """One process: the step's autocast region caches each weight's bf16 cast (cast once a step).
+    Under FSDP the cache would keep every gathered layer's cast for the whole forward (7.3 GB a
+    rank for 4B): train.autocast turns it off there."""
+    cfg = Config()
+    with train.autocast(cfg, torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()
+    monkeypatch.setattr(train.dist, "active", lambda: True)
+    with train.autocast(cfg, torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
