@@ -74,14 +74,17 @@ def qwen3_config(shape, **extra):
     return Qwen3Config(**{**SHAPES[shape], "tie_word_embeddings": True, "max_position_embeddings": 16384, **extra})
 
 
-def random_qwen3(tokenizer_path, folder):
-    """A random 2-layer Qwen3 with a tied head and the shipped tokenizer, saved as an HF folder."""
+def random_qwen3(tokenizer_path, folder, extra_vocab=0):
+    """A random 2-layer Qwen3 with a tied head and the shipped tokenizer, saved as an HF folder.
+    extra_vocab > 0: that many vocabulary rows beyond the tokenizer's, e.g. 10, so that the
+    vocabulary is not a multiple of 64 and vLLM pads its embedding (vocab_parallel_embedding.py)
+    beyond what a push sends."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     config = qwen3_config("tiny", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config.vocab_size = len(tok)
-    torch.manual_seed(0)
+    config.vocab_size = len(tok) + extra_vocab
+    torch.manual_seed(extra_vocab)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -244,37 +247,33 @@ def engine_checks(device, model_path, prompts, results, run_check):
     engine.close()
 
 
-def check_train(device, tiny, work):
-    out = os.path.join(work, "runs")
-    cmd = [sys.executable, "train.py", f"--model={tiny}", f"--device={device.type}", "--algo=grpo", "--max_steps=2",
-           "--save_every=1", "--eval_every=0", "--eval_k=0", "--prompts_per_step=4", "--group_size=4",
-           "--max_tokens=64", "--kl_beta=0.01", "--dev_data=", "--enforce_eager=True", f"--out_dir={out}",
-           "--run_name=check"]
+def run_train(device, model, work, name, flags):
+    """train.py on `model` with `flags` into work/runs/<name> -> (process, run folder, its
+    metrics.jsonl rows, seconds)."""
+    cmd = [sys.executable, "train.py", f"--model={model}", f"--device={device.type}", "--dev_data=", "--eval_every=0",
+           "--eval_k=0", f"--out_dir={os.path.join(work, 'runs')}", f"--run_name={name}", *flags]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    run = os.path.join(out, "check")
+    run = os.path.join(work, "runs", name)
     metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if proc.returncode == 0 else []
-    checkpoints = sorted(n for n in os.listdir(run) if n.startswith("ckpt-")) if os.path.isdir(run) else []
-    ok = proc.returncode == 0 and len(metrics) == 2 and all(m["trained_rows"] > 0 for m in metrics) \
-        and checkpoints == ["ckpt-000001", "ckpt-000002"]
-    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t, "steps": len(metrics),
-            "trained_rows": [m["trained_rows"] for m in metrics], "checkpoints": checkpoints,
+    return proc, run, metrics, time.perf_counter() - t
+
+
+def train_result(proc, metrics, seconds, ok, **facts):
+    return {"returncode": proc.returncode, "seconds": seconds, "steps": len(metrics), **facts,
             "push_seconds": [m["time_push"] for m in metrics], "pass": ok,
             **({} if ok else {"output_tail": (proc.stdout + proc.stderr)[-3000:]})}
 
 
-def padded_vocab_qwen3(tokenizer_path, folder):
-    """random_qwen3 with 10 more vocabulary rows than the tokenizer: not a multiple of 64, so
-    vLLM pads its embedding (vocab_parallel_embedding.py pads to 64) beyond what a push sends."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    config = qwen3_config("tiny", bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config.vocab_size = len(tok) + 10
-    torch.manual_seed(1)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+def check_train(device, tiny, work):
+    proc, run, metrics, seconds = run_train(device, tiny, work, "check", [
+        "--algo=grpo", "--max_steps=2", "--save_every=1", "--prompts_per_step=4", "--group_size=4", "--max_tokens=64",
+        "--kl_beta=0.01", "--enforce_eager=True"])
+    checkpoints = sorted(n for n in os.listdir(run) if n.startswith("ckpt-")) if os.path.isdir(run) else []
+    ok = proc.returncode == 0 and len(metrics) == 2 and all(m["trained_rows"] > 0 for m in metrics) \
+        and checkpoints == ["ckpt-000001", "ckpt-000002"]
+    return train_result(proc, metrics, seconds, ok, trained_rows=[m["trained_rows"] for m in metrics],
+                        checkpoints=checkpoints)
 
 
 def check_p2o_train(device, model, work):
@@ -287,23 +286,15 @@ def check_p2o_train(device, model, work):
     with open(data, "w") as f:
         for i in range(4):
             f.write(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 5?", "answer": str(i + 5)}) + "\n")
-    out = os.path.join(work, "runs")
-    cmd = [sys.executable, "train.py", f"--model={model}", f"--device={device.type}", "--algo=p2o", "--epochs=2",
-           f"--train_data={data}", "--dev_data=", "--prompts_per_step=4", "--group_size=2", "--max_tokens=48",
-           "--eval_every=0", "--eval_k=0", "--save_every=0", "--gepa_min_hard=1", "--gepa_budget=16",
-           "--gepa_dev_max=2", "--gepa_parents=2", "--gepa_minibatch=1", "--reflector=init", f"--out_dir={out}",
-           "--run_name=p2o"]
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    run = os.path.join(out, "p2o")
-    metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if proc.returncode == 0 else []
+    proc, run, metrics, seconds = run_train(device, model, work, "p2o", [
+        "--algo=p2o", "--epochs=2", f"--train_data={data}", "--prompts_per_step=4", "--group_size=2",
+        "--max_tokens=48", "--save_every=0", "--gepa_min_hard=1", "--gepa_budget=16", "--gepa_dev_max=2",
+        "--gepa_parents=2", "--gepa_minibatch=1", "--reflector=init"])
     archive = os.path.join(run, "gepa-epoch-0.json")
     gepa = json.load(open(archive)) if os.path.isfile(archive) else {}
     ok = proc.returncode == 0 and len(metrics) == 2 and gepa.get("reflection_calls", 0) > 0
-    return {"returncode": proc.returncode, "seconds": time.perf_counter() - t, "steps": len(metrics),
-            "reflection_calls": gepa.get("reflection_calls"), "metric_calls": gepa.get("metric_calls"),
-            "push_seconds": [m["time_push"] for m in metrics], "pass": ok,
-            **({} if ok else {"output_tail": (proc.stdout + proc.stderr)[-3000:]})}
+    return train_result(proc, metrics, seconds, ok, reflection_calls=gepa.get("reflection_calls"),
+                        metric_calls=gepa.get("metric_calls"))
 
 
 def check_flex_long(device, responses=(2048, 4096, 12288), dense_max=4096):
@@ -483,7 +474,7 @@ def main():
             engine_checks(device, model_path, prompts, results, run_check)
             results["train"] = run_check("train", lambda: check_train(device, tiny, work))
             results["eval_long"] = run_check("eval_long", lambda: check_eval_long(device, tiny, work, 4096 if cuda else 2100))
-            padded = padded_vocab_qwen3(model_path, os.path.join(work, "padded-qwen3"))
+            padded = random_qwen3(model_path, os.path.join(work, "padded-qwen3"), extra_vocab=10)
             results["p2o_train"] = run_check("p2o_train", lambda: check_p2o_train(device, padded, work))
         else:
             print(f"vLLM is not installed here ({results['versions']['vllm']}): the engine, train.py and eval.py "
