@@ -32,7 +32,7 @@ def setup(device_type, timeout_minutes=30):
     """Join the process group -> (rank, world, device). NCCL for cuda (one GPU per process,
     cuda:LOCAL_RANK), gloo for cpu. Single process: (0, 1, torch.device(device_type)).
     timeout_minutes bounds how long a collective waits for the slowest rank (train.py raises it:
-    the other ranks wait while rank 0 runs a GEPA round)."""
+    the other ranks wait while rank 0 reflects in a GEPA round)."""
     world = world_size()
     if world <= 1:
         return 0, 1, torch.device(device_type)

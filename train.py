@@ -734,7 +734,8 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     """Join the process group, make the run folder, load the models for `data` (load_data's sets),
     build the optimizer and put back a checkpoint's state (resume_point read it) -> Run."""
     started = time.perf_counter()
-    rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)  # GEPA: the others wait
+    # a day: in a GEPA round the other ranks wait while rank 0 reflects
+    rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)
     is_main = dist.is_main()
     if saved and saved.get("world", 1) != world:
         raise SystemExit(f"{resume_path} was written by {saved.get('world', 1)} processes; resume with as many "
