@@ -31,7 +31,7 @@ from data import DataError, load_jsonl
 from model import check_model
 from prompts import FORMATS, problem_messages
 from rollout import encode_prompt
-from verify import REWARDS
+from verify import load_reward
 
 
 BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
@@ -201,8 +201,9 @@ CHOICES = {
     "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo", "sft"),
     "adv_norm": ("group", "none", "raw"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
     "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
-    "reward": tuple(REWARDS), "reflect_prompt": gepa.REFLECT_PROMPTS, "gepa_selection": gepa.SELECTIONS,
+    "reflect_prompt": gepa.REFLECT_PROMPTS, "gepa_selection": gepa.SELECTIONS,
     "gepa_accounting": gepa.ACCOUNTINGS, "packed_attention": ("auto", "flex", "dense"),
+    "clipo_loss": ("released", "textbook"),
 }
 AT_LEAST = {  # setting -> smallest allowed value
     "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
@@ -212,12 +213,13 @@ AT_LEAST = {  # setting -> smallest allowed value
     "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
     "reflect_temperature": 0.0, "reflect_max_tokens": 1, "reflect_top_k": 0, "dev_holdout": 0, "lr": 0.0,
     "warmup_steps": 0, "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1,
-    "max_bad_steps": 1, "head_chunk": 1, "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0,
+    "clipo_weight": 0.0, "clipo_cap": 0.0, "clipo_dim": 1, "clipo_tau": 0.0, "clipo_lr": 0.0, "clipo_weight_decay": 0.0,
+    "frozen_steps": 0, "agreement_bonus": 0.0, "agreement_cap": 0.0, "agreement_ngram": 1, "max_bad_steps": 1, "head_chunk": 1, "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0,
     "eval_k": 0, "save_every": 0,
     "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0, "lora_rank": 0, "lora_dropout": 0.0,
 }
 POSITIVE = ("temperature", "top_p", "reflect_top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps",
-            "grad_clip", "reflector_timeout", "lora_alpha", "lora_lr_scale")  # > 0
+            "grad_clip", "reflector_timeout", "lora_alpha", "lora_lr_scale", "clipo_tau")  # > 0
 BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2", "lora_dropout")  # < 1
 AT_MOST_ONE = ("top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
 
@@ -246,6 +248,10 @@ def check_config(cfg, models=True):
         raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
     if cfg.lora_rank and not cfg.lora_targets.strip():
         raise SystemExit("--lora_targets is all-linear or a comma list of linear layers (e.g. q_proj,v_proj), got ''")
+    try:
+        load_reward(cfg.reward)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not cfg.reflector:
         raise SystemExit("--reflector is init | policy | a model path/id | an http(s):// server, got ''")
     chat_template_kwargs(cfg)
@@ -470,3 +476,15 @@ def resume_point(cfg, given=None):
             raise SystemExit(f"--resume={path} was trained with --{k}={old.get(k, getattr(defaults, k))}, not "
                              f"{getattr(merged, k)}; to train it otherwise, start a new run with --model={path}")
     return merged, path, saved
+
+
+def reward_scorer(cfg, problems):
+    """--reward as check_fn(response, problem) -> verify.Verdict, tried once on the first problem's
+    gold answer (boxed) so that a function that raises or returns no number is one line at start-up."""
+    check_fn = load_reward(cfg.reward)
+    if problems:
+        try:
+            check_fn(f"The answer is \\boxed{{{problems[0].answer}}}.", problems[0])
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"{e} (tried at start-up on its gold answer)") from None
+    return check_fn

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-import dist
-
 
 def distill_row(original_prompt_ids, sample):
     """(prompt ids of x, response ids of y~): the training row of a templated rollout."""
@@ -76,27 +74,15 @@ def row_crm_weights(plain_logp, tilde_logp, low=0.01, high=10.0, soft=False):
     return w, CrmSums(len(w), out_of_band, w.sum().item(), log_c.sum().item())
 
 
-def crm_pass(rows, old_logprobs, chunk_size, low=0.01, high=10.0, soft=False):
-    """The CRM weights of every templated row of a step, from the pre-update weights -> (weights,
-    sums, tilde).
-
-    rows: training rows (prompt_ids = x, response_ids, tilde_prompt_ids = x~ or None for a row
-    without a template). old_logprobs(prompts, responses) -> one [len(response)] tensor of no-grad
-    log-probs per row (train.py's forward). Each chunk of `chunk_size` templated rows is one
-    call holding the rows under x, then under x~. weights[i] is row i's [n_i] tensor, None for a
-    plain row; tilde[i] its [n_i] old log-probs under x~ (the old policy of
-    --fix_importance_ratio), None for a plain row; the CrmSums cover every templated row given,
-    so pass all the step's rows, also those of groups that will not be forwarded (the kept
+def crm_rows(plain, tilde, low=0.01, high=10.0, soft=False):
+    """The CRM weights of a step's rows from their pre-update log-probs under x and under x~
+    (forward.two_context_logprobs; None for a row without a template) -> (weights, sums):
+    weights[i] row i's [n_i] tensor (None for a plain row), the CrmSums of every templated row
+    given. Pass all the step's rows, also those of groups that will not be forwarded (the kept
     denominator and the logged masked fraction count them)."""
-    templated = [i for i, r in enumerate(rows) if r.tilde_prompt_ids is not None]
-    chunks = [templated[s:s + chunk_size] for s in range(0, len(templated), chunk_size)]
-    weights, tilde, sums = [None] * len(rows), [None] * len(rows), CrmSums()
-    for c in range(dist.all_max(len(chunks))):  # FSDP lock-step: every rank runs as many forwards (an empty one too)
-        chunk = chunks[c] if c < len(chunks) else []
-        prompts = [rows[i].prompt_ids for i in chunk] + [rows[i].tilde_prompt_ids for i in chunk]
-        both = old_logprobs(prompts, [rows[i].response_ids for i in chunk] * 2)
-        for q, i in enumerate(chunk):
-            tilde[i] = both[len(chunk) + q]
-            weights[i], row_sums = row_crm_weights(both[q], tilde[i], low, high, soft)
+    weights, sums = [None] * len(plain), CrmSums()
+    for i, (p, t) in enumerate(zip(plain, tilde)):
+        if t is not None:
+            weights[i], row_sums = row_crm_weights(p, t, low, high, soft)
             sums += row_sums
-    return weights, sums, tilde
+    return weights, sums

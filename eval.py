@@ -41,7 +41,7 @@ from model import check_model, resolve_model
 from prompts import FORMATS, problem_messages
 from rollout import make_rollout
 from runs import TRAIN_CONFIG, route_library_logs
-from verify import CHECKS, check
+from verify import check, load_reward
 
 SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (the paper's protocol)
 
@@ -73,10 +73,10 @@ def pass_ks(k):
 
 
 def score_groups(problems, messages, groups, reward="ours"):
-    """Per problem: responses, verdicts (verify.CHECKS[reward]) -> one record each (the per-sample JSONL rows)."""
-    records = []
+    """Per problem: responses, verdicts (verify.load_reward(reward)) -> one record each (the per-sample JSONL rows)."""
+    records, check_fn = [], load_reward(reward)
     for p, m, group in zip(problems, messages, groups):
-        verdicts = [CHECKS[reward](s.text, p.answer) for s in group]
+        verdicts = [check_fn(s.text, p) for s in group]
         records.append({
             "id": p.id, "source": p.source, "answer": p.answer, "prompt": m[-1]["content"],
             "fewshot_turns": (len(m) - 1) // 2,
@@ -236,7 +236,8 @@ def parse_args(argv):
     ap.add_argument("--prompt_format", default=None, choices=FORMATS, help="as train.py's" + inherited("prompt_format"))
     ap.add_argument("--chat_template_kwargs", default=None, help="JSON for the chat template, e.g. "
                     "'{\"enable_thinking\": false}'" + inherited("chat_template_kwargs"))
-    ap.add_argument("--reward", default=None, choices=tuple(CHECKS), help="the reward rule, as train.py's"
+    ap.add_argument("--reward", default=None, help="the reward rule, as train.py's: ours | official | "
+                    "module:function"
                     + inherited("reward"))
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--dtype", default="", help="the engine's weights: bfloat16 | float16 | float32 | auto; "
@@ -266,6 +267,7 @@ def load_inputs(args):
         print(f"settings of the run that trained {args.model} (flags override): "
               + ", ".join(f"--{k}={v!r}" for k, v in taken.items()))
     chat_kwargs = chat_template_kwargs(args)
+    load_reward(args.reward)  # a spec that does not load: ValueError, one line in main
     check_model(args.model)
     benchmarks = {}
     for name in args.data.split(","):

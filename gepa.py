@@ -337,9 +337,11 @@ not mention these numbers or answers), and do not change how the final answer is
 Reply with the new instruction only, between {delim_open} and {delim_close}."""
 
 
-def reflection_record(item, response, answer_chars):
+def reflection_record(item, response, answer_chars, reward=None):
+    """One answer as the reflector reads it; `reward`: its score under the run's --reward (None:
+    verify.check's), which decides correct / wrong; the extracted answer is the last box's."""
     v = check(response, item.answer)
-    verdict = "correct" if v.reward > 0 else "wrong"
+    verdict = "correct" if (v.reward if reward is None else reward) > 0 else "wrong"
     extracted = v.extracted[:answer_chars] if v.extracted is not None else "(none: no \\boxed{} answer)"
     return (f"Problem: {item.problem}\nStudent's answer: {response[:answer_chars]}\n"
             f"Feedback: the answer is {verdict}; the extracted answer was {extracted}; "
@@ -433,7 +435,7 @@ def reflection_prompt(cfg, template, minibatch, responses, rewards):
     if _official(cfg, "reflect_prompt"):
         return OFFICIAL_PROMPT.format(template=template.strip(), examples=official_examples(
             minibatch, responses, rewards, cfg.reflect_answer_chars, getattr(cfg, "prompt_format", "default")))
-    records = [reflection_record(it, r, cfg.reflect_answer_chars) for it, r in zip(minibatch, responses)]
+    records = [reflection_record(it, r, cfg.reflect_answer_chars, s) for it, r, s in zip(minibatch, responses, rewards)]
     return meta_prompt(template, records)
 
 

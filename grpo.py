@@ -13,7 +13,8 @@ Loss of one optimizer step (`policy_loss`, per token t of row i, advantage A_i):
     l_t    = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high))       (eps_high = 0.28: DAPO clip-higher)
     dual clip (A < 0 only, c > 1): l_t = min(l_t, -A c)
     w_t    = crm_t * min(exp(logp_old - logp_sampler), C)                     (CRM weight x TIS; 1 when off)
-    loss   = agg(w l) + beta * agg(k3(logp_new, logp_ref))                   (beta = 0 by default)
+    loss   = agg(w l) + beta * agg(k3(logp_new, logp_ref))                   (beta = 0 by default; the KL
+             term is one of train.py's auxiliary terms: its own denominator, never weighted)
 Aggregation over the WHOLE step (all gradient-accumulation micro-batches together):
     token-mean               sum_i,t w l / D                               (DAPO, P²O; default)
     seq-mean-token-mean      mean_i [ sum_t w l / n_tokens(i) ]           (original GRPO)
@@ -193,7 +194,7 @@ def step_denominators(tokens, rows, crm_templated_tokens=0, crm_weight_sum=0.0, 
 
 def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, eps_high=0.2, dual_clip=0.0,
                 loss_agg="token-mean", max_len=None, crm_weight=None, sampler_logp=None, sampler_mask=None,
-                tis_cap=0.0, ref_logp=None, kl_beta=0.0):
+                tis_cap=0.0):
     """One micro-batch's share of the step loss (summed over the step's micro-batches it is the
     step loss, whatever the split) and sums for the logs. All tensors [B, T] but advantages [B].
 
@@ -204,9 +205,10 @@ def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, 
     sampler_logp the rollout engine's log-probs where sampler_mask is set: the logged mismatch
                  |log pi_old - log pi_sampler| and, with tis_cap = C > 0, truncated importance
                  sampling min(pi_old / pi_sampler, C) on the policy-gradient term
-    ref_logp     frozen reference (kl_beta > 0): + kl_beta * agg(k3), every token, never weighted
 
-    Returns (loss, {clipped_tokens, mismatch_tokens, mismatch_abs_sum, mismatch_abs_max[, kl_sum]}).
+    The KL term is not here: train.py adds it as an auxiliary term (train.AuxTerm "kl": kl_beta x
+    aggregate(k3_kl(logp, ref_logp)) over the tokens, its own denominator, never weighted).
+    Returns (loss, {clipped_tokens, mismatch_tokens, mismatch_abs_sum, mismatch_abs_max}).
     """
     old_logp = logp.detach() if old_logp is None else old_logp
     pg, clipped = ppo_clip_token_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
@@ -221,12 +223,7 @@ def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, 
             tis = torch.where(sampler_mask, (old_logp - sampler_logp).exp().clamp(max=tis_cap), 1.0)
             weight = tis if weight is None else weight * tis
     m = mask.to(logp.dtype)
-    loss = aggregate(pg, m, loss_agg, denominators.pg, denominators.rows, max_len, weight)
-    if ref_logp is not None and kl_beta > 0:
-        kl = k3_kl(logp, ref_logp)  # [B, T]
-        loss = loss + kl_beta * aggregate(kl, m, loss_agg, denominators.tokens, denominators.rows, max_len)
-        sums["kl_sum"] = (kl.detach() * m).sum().item()
-    return loss, sums
+    return aggregate(pg, m, loss_agg, denominators.pg, denominators.rows, max_len, weight), sums
 
 
 def scatter_rows(values, mask, fill=0.0):

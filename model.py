@@ -227,3 +227,72 @@ def use_packed_flex(model):
     AttentionMaskInterface.register(PACKED_FLEX, sdpa_mask)
     model.set_attn_implementation(PACKED_FLEX)
     return model
+
+
+# ----------------------------------------------------------------------------- the trainer's models
+
+
+def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
+    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
+    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
+    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
+    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
+    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
+
+    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
+    the engine starts from the base and is pushed the merged weights on resume."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
+
+    import types
+
+    import torch
+
+    import dist  # lazy, as torch is: this module also resolves models for tools that never train
+    import grpo
+    import lora
+    from config import context_length, packed_layout
+    from forward import response_hidden_mean, selected_logprobs
+    from rollout import HFRollout, make_rollout
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.lora_rank:
+        policy = lora.load_policy(cfg, model_path, weights_path, device)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
+        use_packed_flex(policy)
+    attention = policy.config._attn_implementation
+    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
+        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
+                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
+                         "or --shared_prompt=False")
+    policy.train()
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forwards (forward.py)
+    policy.response_hidden_mean = types.MethodType(response_hidden_mean, policy)
+    policy = dist.shard(policy, forward_methods=("selected_logprobs", "response_hidden_mean"))
+    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
+    if cfg.kl_beta > 0 and not cfg.lora_rank:
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        reference.requires_grad_(False)
+        if policy.config._attn_implementation == grpo.PACKED_FLEX:
+            use_packed_flex(reference)
+    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
+    if engine is None:
+        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
+    if engine is None and cfg.backend == "hf":
+        shared = None if dist.active() or cfg.lora_rank else policy  # one process: the engine shares the policy's weights
+        engine = HFRollout(holds, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
+                           rank=dist.rank())
+        engine.model.to(device)
+    elif engine is None:
+        engine = make_rollout(cfg.backend, holds, dtype=cfg.engine_dtype, seed=cfg.seed,
+                              max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
+                              kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                              sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
+                              chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
+                              progress_bars=cfg.verbose, rank=dist.rank())
+    if holds != weights_path:  # a resume moved on from what the engine holds
+        engine.push_weights(lora.engine_weights(policy, getattr(engine, "dtype", None)))
+    return policy, reference, tokenizer, engine

@@ -52,6 +52,21 @@ TRAIN_CONFIG = "train_config.json"
 LORA_EXPORT = "adapter"  # export-NNNNNN/adapter/: a LoRA run's adapters beside the merged model
 
 
+def fields_of(obj):
+    """A dataclass's fields as a dict, values as they are (dataclasses.asdict would rebuild the
+    Counter from its items, which counts (key, value) pairs)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def warmup_factor(warmup_steps, from_zero, step):
+    """lr multiplier of training step `step` (0-based; every optimizer step of a training step
+    uses it): linear warm-up, then 1. Ours reaches lr/warmup at the first step, (s + 1)/warmup;
+    verl's starts at 0, s/warmup (warmup_from_zero)."""
+    if step >= warmup_steps:
+        return 1.0
+    return (step + (0 if from_zero else 1)) / warmup_steps
+
+
 def checkpoint_step(name, prefix="ckpt"):
     """ckpt-000012 -> 12 (export-000012 -> 12 with prefix="export"); anything else -> None."""
     head, _, number = name.partition("-")
@@ -170,6 +185,27 @@ def save_model(model, weights, folder, dtype=None):
     if dtype:  # the weights' dtype, which loaders with dtype="auto" take
         config["dtype"] = dtype
     write_atomic(config_file, lambda tmp: json.dump(config, open(tmp, "w"), indent=2))
+
+
+def checkpoint(run):
+    """Everything a resume needs of a train.Run (train.start_run reads it back), one folder per step -> its path."""
+    t = time.perf_counter()
+    own = {"optimizer": dist.optimizer_state(run.optimizer), "rng": rng_state()}
+    trainer = {"config": dataclasses.asdict(run.cfg), "loop": fields_of(run.state),
+               "scheduler": run.scheduler.state_dict(), "world": run.world, **(own if run.world == 1 else {}),
+               "shapers": [s.state_dict() if hasattr(s, "state_dict") else None for s in run.shapers]}
+    path = save_checkpoint(run.run_dir, run.state.step, run.policy, run.tokenizer, trainer, own)
+    if run.is_main and run.cfg.keep_checkpoints:
+        prune_checkpoints(run.run_dir, run.cfg.keep_checkpoints)
+    run.seconds["checkpoints"] += time.perf_counter() - t
+    return path
+
+
+def export(run):
+    """export-NNNNNN/: this step's model alone in bf16 (runs.save_export), beside the checkpoints."""
+    t = time.perf_counter()
+    save_export(run.run_dir, run.state.step, run.policy, run.tokenizer, dataclasses.asdict(run.cfg))
+    run.seconds["checkpoints"] += time.perf_counter() - t
 
 
 def load_rank_state(path, rank):
@@ -533,7 +569,9 @@ def step_metrics(state, groups, update, info, lr, cfg):
         "truncated": mean([s.finish_reason == "length" for s in flat]),
         "loss": update.loss, "kl": s["kl_sum"] / max(1, step_tokens * cfg.ppo_epochs),
         "clip_fraction": s["clipped_tokens"] / max(1, step_tokens * cfg.ppo_epochs),
-        "entropy": s["entropy_sum"] / max(1, s["entropy_tokens"]),
+        "entropy": s["entropy_sum"] / s["entropy_tokens"] if s["entropy_tokens"] else float("nan"),  # nothing forwarded: NaN
+        **{k: v for k, v in s.items() if k.startswith("loss_")},  # loss_policy and each auxiliary term's share
+        **shaping_metrics(groups),
         "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
         "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
         "dropped_failed_templated": sum(bool(t) and r <= 0 for g in groups for t, r in zip(g.templates, g.rewards))
@@ -557,17 +595,56 @@ def step_metrics(state, groups, update, info, lr, cfg):
 GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflection_tokens", "gold_tokens")
 
 
-def forward_tokens(rows, cfg):
+def shaping_metrics(groups):
+    """What reward shaping did this step (shaping.apply_shapers; {} when no group has a bonus):
+    shaping_groups: fraction of groups with a non-zero bonus; shaping_bonus_mean: mean bonus over
+    every rollout; shaping_order_changed / shaping_order_reversed: fraction of groups in which
+    some pair of rollouts compares differently after shaping (a tie broken, or an order made a
+    tie or reversed) / in which a strictly ordered pair is reversed. Group normalisation is
+    monotone, so these are the changes in the order of the advantages."""
+    if all(g.bonus is None for g in groups):
+        return {}
+    changed = reversed_ = shaped = 0
+    for g in groups:
+        bonus = g.bonus or [0.0] * len(g.rewards)
+        after = [r + b for r, b in zip(g.rewards, bonus)]
+        shaped += any(b != 0 for b in bonus)
+        pairs = [(i, j) for i in range(len(after)) for j in range(i + 1, len(after))]
+        sign = lambda v, i, j: (v[i] > v[j]) - (v[i] < v[j])  # noqa: E731
+        changed += any(sign(g.rewards, i, j) != sign(after, i, j) for i, j in pairs)
+        reversed_ += any(sign(g.rewards, i, j) * sign(after, i, j) < 0 for i, j in pairs)
+    n, every = len(groups), [b for g in groups for b in (g.bonus or [0.0] * len(g.rewards))]
+    return {"shaping_groups": shaped / n, "shaping_bonus_mean": sum(every) / len(every),
+            "shaping_order_changed": changed / n, "shaping_order_reversed": reversed_ / n}
+
+
+def forward_tokens(rows, cfg, is_forwarded):
     """Tokens through the policy in one step's update, for a FLOPs estimate (experiments/compare.py):
-    forward + backward (rows with a gradient, ppo_epochs times) and no-grad forwards (the CRM
-    pass under x and x~, stored old log-probs, the reference). Counted per row, prompt +
-    response: shared-prompt packing's saving is not subtracted. Summed over ranks."""
-    trained = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows if r.advantage != 0.0 or cfg.kl_beta > 0)
+    forward + backward (the rows is_forwarded(row) selects: train.forwarded, ppo_epochs times) and
+    no-grad forwards (the CRM pass under x and x~, stored old log-probs, the reference). Counted
+    per row, prompt + response: shared-prompt packing's saving is not subtracted. Summed over ranks."""
+    trained = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows if is_forwarded(r))
     crm = sum(len(r.prompt_ids) + len(r.tilde_prompt_ids) + 2 * len(r.response_ids) for r in rows
-              if r.tilde_prompt_ids is not None)  # under x and under x~
+              if r.tilde_prompt_ids is not None and r.kind == "rollout")  # under x and under x~
     stored = trained * ((cfg.ppo_epochs > 1 or cfg.mini_batches > 1) + (cfg.kl_beta > 0))
     return {"train_fb_tokens": int(dist.all_sum(trained * cfg.ppo_epochs)),
             "nograd_tokens": int(dist.all_sum(crm + stored))}
+
+
+def loss_note(cfg, terms):
+    """What the logged loss is, said at start-up."""
+    parts = " + ".join(["loss_policy"] + [f"loss_{t.name}" for t in terms])
+    if cfg.ppo_epochs == cfg.mini_batches == 1 and not cfg.fix_importance_ratio:
+        return (f"note: loss = {parts}. With one optimizer step per batch the PPO ratio is 1, so loss_policy is "
+                "-sum_t(w_t A) / D, the advantages summed over the tokens (CRM/TIS weights w), not a fit: its "
+                "gradient is the policy gradient (grpo.py)")
+    return f"note: loss = {parts}"
+
+
+def budget_spent(state, cfg):
+    """--max_gen_tokens: the run stops at the first step boundary at or past the budget (a
+    step or a GEPA round may overshoot it; compare.py reports the actual spend)."""
+    return cfg.max_gen_tokens > 0 and generated_tokens(state.counts) >= cfg.max_gen_tokens
 
 
 def generated_tokens(counts):

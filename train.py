@@ -24,7 +24,7 @@ method: docs/METHOD.md. One step (`train_step`), readable in this file, grpo.py 
                      one GEPA template per rollout) -> rewards -> hard-prompt mining (-> DAPO refill)
     training_rows    group advantages (grpo.group_advantages); templated rollouts re-built under
                      the original prompt (context distillation, distill.distill_row)
-    policy_update    CRM weights of every templated row (distill.crm_pass), old / reference
+    policy_update    CRM weights of every templated row (distill.crm_rows), old / reference
                      log-probs (pre_update_pass), then per micro-batch the loss of grpo.policy_loss
                      over the whole step's denominators (grpo.step_denominators), AdamW
     push_weights     the new weights into the rollout engine (verified)
@@ -52,7 +52,6 @@ import os
 import random
 import sys
 import time
-import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -65,22 +64,26 @@ import distill
 import gepa
 import grpo
 import lora
+import shaping
+from shaping import apply_shapers
 from data import PromptStream
 from eval import answer_records, summarize_records
-from model import pad_token_id, resolve_model, use_packed_flex
-from config import (check_config, chat_template_kwargs, config_help, context_length, cpu_precision, cpu_threads,
+from forward import autocast, group_hidden_means, response_logprobs, row_logprobs, two_context_logprobs
+from model import load_models, pad_token_id, resolve_model
+from config import (check_config, chat_template_kwargs, config_help, cpu_precision, cpu_threads,
                     dry_run_report, learning_rate, load_data, packed_layout, parse_overrides, pick_device,
-                    resolve_settings, resume_point)
+                    resolve_settings, resume_point, reward_scorer)
 from prompts import problem_messages
-from rollout import HFRollout, Sample, encode_prompt, greedy_answers, make_reflector, make_rollout, remote_reflector
-from runs import (RunLog, StopSignal, forward_tokens, generated_tokens, link_checkpoint, load_rank_state, print_summary,
-                  prune_checkpoints, restore_trainer, rng_state, route_library_logs, save_checkpoint, save_export,
-                  start_branch, step_metrics, time_summary)
-from verify import REWARDS
+from rollout import Sample, encode_prompt, greedy_answers, make_reflector, remote_reflector
+from runs import (RunLog, StopSignal, checkpoint, export, fields_of, forward_tokens, generated_tokens, link_checkpoint,
+                  load_rank_state, print_summary, restore_trainer, route_library_logs, start_branch, step_metrics,
+                  time_summary, warmup_factor, loss_note, budget_spent)
 
 
 @dataclass
 class Config:
+    """Every setting of a run. A new one is a field with a default and an inline comment: the
+    comment is its --help line (config.config_help; a field without one fails the --help test)."""
     # ---- model and data
     model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
     train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
@@ -153,12 +156,24 @@ class Config:
     drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
     crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
     fix_importance_ratio: bool = False  # templated rows: pi_old under x~, so rho = pi(y|x) / pi_old(y|x~), PPO-clipped (official fix_importance_ratio)
-    reward: str = "ours"  # ours: the final \boxed{} equals the answer | official: exactly one \boxed, numbers within 1e-4 (verify.py)
+    reward: str = "ours"  # ours: the final \boxed{} equals the answer | official: exactly one \boxed, numbers within 1e-4 | module:function or file.py:function, any (response, problem) -> float (verify.load_reward)
     reflect_prompt: str = "ours"  # ours: a short general instruction | official: GEPA's proposal prompt, asks for domain facts (gepa.py)
     reflect_guards: bool = True  # reject leaking, copying, long, repetitive or duplicate templates (official: none)
     gepa_selection: str = "ours"  # parents: ours (fronts of solved items, pruned, with replacement) | official (zero ties, distinct)
     gepa_accounting: str = "ours"  # ours: every metric call counts, a hard cap | official: iterations 0-1 and child minibatches free
     warmup_from_zero: bool = False  # warm-up's first step at lr 0, then lr s/warmup (verl) instead of lr (s+1)/warmup
+    # ---- reward shaping (shaping.py): bonuses added to the verified reward where advantages are formed only
+    clipo_weight: float = 0.0  # CLIPO: a correct rollout's bonus max(-w * its InfoNCE loss, -clipo_cap) (0 = off; release 0.2)
+    clipo_cap: float = 0.5  # CLIPO: the largest penalty (release 0.5)
+    clipo_dim: int = 512  # CLIPO head's output dims (release: 512 GSM8K, 2048 MATH)
+    clipo_tau: float = 0.05  # CLIPO InfoNCE temperature (release 0.05)
+    clipo_lr: float = 1e-3  # CLIPO head's AdamW lr (release 1e-3; only the head trains on its loss)
+    clipo_weight_decay: float = 0.01  # CLIPO head's AdamW weight decay (release 0.01)
+    clipo_loss: str = "released"  # released: with the row-max shift and the 1e-8 inside the log | textbook InfoNCE
+    frozen_steps: int = 0  # the first N steps update no policy weight (rollouts, shapers, logs run): CLIPO's head warm-up
+    agreement_bonus: float = 0.0  # ours: a correct rollout's bonus w * its mean n-gram Jaccard to the other correct (0 = off)
+    agreement_cap: float = 0.1  # the agreement bonus's largest value
+    agreement_ngram: int = 3  # n of the agreement bonus's token n-grams
     # ---- optimisation
     lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
     warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
@@ -202,12 +217,6 @@ class Config:
 # ----------------------------------------------------------------------------- state and records
 
 
-def fields_of(obj):
-    """A dataclass's fields as a dict, values as they are (dataclasses.asdict would rebuild the
-    Counter from its items, which counts (key, value) pairs)."""
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-
-
 @dataclass
 class LoopState:
     """Everything the loop carries from one step to the next. Saved whole in every checkpoint
@@ -230,7 +239,11 @@ class Group:
     problem: object  # data.Problem
     samples: list  # K rollout.Sample
     templates: list  # K templates ('' = none)
-    rewards: list  # K floats
+    rewards: list  # K floats: the verified reward (mining, DAPO, GEPA and the logs read these)
+    bonus: list | None = None  # K floats of reward shaping (shaping.apply_shapers), added where advantages are formed only
+
+
+ROLLOUT = "rollout"  # Row.kind of a rollout: GRPO's policy term, its denominators and the entropy read these rows only
 
 
 @dataclass
@@ -242,8 +255,38 @@ class Row:
     tilde_prompt_ids: list | None = None  # x~ of a distilled templated row (for its CRM weights / fix_importance_ratio)
     sampler_logp: list | None = None  # the engine's log-probs of the response, when sampled under prompt_ids
     group: int = 0  # index of its group in the step (mini-batches never split a group)
-    crm_weight: torch.Tensor | None = None  # [len(response_ids)], set by the CRM pass (distill.crm_pass)
+    crm_weight: torch.Tensor | None = None  # [len(response_ids)], set by the CRM pass (distill.crm_rows)
     tilde_old_logp: torch.Tensor | None = None  # [len(response_ids)] pi_old(y|x~): the old policy (fix_importance_ratio)
+    kind: str = ROLLOUT  # a method's auxiliary rows have a kind of their own, read only by its AuxTerm
+    data: dict = field(default_factory=dict)  # what an AuxTerm's token_loss needs of the row (e.g. token weights)
+
+
+@dataclass
+class AuxTerm:
+    """One more term of the step loss: coef x token_loss aggregated (cfg.loss_agg) over the
+    response tokens of the rows of `kind`, with ITS OWN denominators (those rows' tokens and
+    rows in the whole mini-batch: every micro-batch, every rank). Logged as loss_<name>, and the
+    unweighted sum of token_loss as <name>_sum. Rows of a kind no term reads are never forwarded."""
+    name: str
+    kind: str
+    coef: float
+    token_loss: object  # (logp [B, T] with grad, b: MicroBatch) -> [B, T]; read on its rows' response tokens only
+
+
+def aux_terms(cfg):
+    """The extra loss terms of this run. Shipped: the k3 KL to the frozen reference (kl_beta > 0),
+    on every token of every rollout, never CRM-weighted. A method appends its own here."""
+    terms = []
+    if cfg.kl_beta > 0:
+        terms.append(AuxTerm("kl", ROLLOUT, cfg.kl_beta, lambda logp, b: grpo.k3_kl(logp, b.ref_logp)))
+    return terms
+
+
+def forwarded(row, terms):
+    """THE rule of which rows go through the training forward (read by the update, the FLOPs
+    count and, through the kinds, the denominators and the entropy): a rollout whose advantage
+    is not 0 (any other has an exactly zero policy gradient) and every row a loss term reads."""
+    return (row.kind == ROLLOUT and row.advantage != 0.0) or any(t.kind == row.kind for t in terms)
 
 
 @dataclass
@@ -260,65 +303,12 @@ class MicroBatch:
     tilde_old: tuple | None = None  # fix_importance_ratio: ([B, L-1] pi_old(y|x~), [B, L-1] bool where it replaces old_logp)
     ref_logp: torch.Tensor | None = None  # [B, L-1] frozen reference (kl_beta > 0)
     dummy: bool = False  # torchrun: a stand-in that keeps this rank's forwards in step (loss x 0)
+    rows: list = field(default_factory=list)  # the Rows, in batch order (an AuxTerm reads their kind and data)
     packed: grpo.Packed | None = None  # shared_prompt: the same rows with each prompt once, for the forward
 
-
-# ----------------------------------------------------------------------------- model helpers
-
-
-def autocast(cfg, device):
-    """bf16 autocast for the training forward. Its cache keeps each fp32 weight's bf16 cast until
-    the outermost region exits (one process: a step's region, 2 bytes a parameter, cast once a
-    step); under FSDP it would keep every gathered layer's cast for the whole forward: off there."""
-    return torch.autocast(device.type, torch.bfloat16, enabled=cfg.autocast_bf16, cache_enabled=not dist.active())
-
-
-def selected_logprobs(model, input_ids, attention, targets, temperature, chunk, with_entropy=False, loss_mask=None,
-                      position_ids=None, index=None):
-    """Log-probs (and entropy) of the N response tokens `targets`, predicted where loss_mask
-    [B, L-1] is set, or (packed rows, grpo.pack_rows: `attention` is then its block ids [S, Lp])
-    at the flat positions `index`. The LM head runs there only, `chunk` tokens at a time
-    (grpo.head_logprobs: no [N, V] logits). Bound to the policy as a method that FSDP treats
-    like forward, so the head's weight is gathered around it."""
-    if index is not None:  # packed rows: the mask as this model's attention reads it
-        attention = grpo.attention_mask_for(attention, model.config._attn_implementation)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).last_hidden_state
-    selected = hidden[:, :-1][loss_mask] if index is None else hidden.flatten(0, 1)[index]  # [N, H]
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("an LM head with a bias is not supported (grpo.head_logprobs)")
-    return grpo.head_logprobs(selected, head.weight, targets, temperature, chunk, with_entropy)
-
-
-def response_logprobs(model, input_ids, attention, loss_mask, temperature, with_entropy=False, packed=None,
-                      chunk=1024):
-    """Log-probs of the response tokens, computing the LM head only where loss_mask is set.
-    input_ids/attention [B, L]; loss_mask [B, L-1] -> logp [B, L-1] (0 off the mask), entropy [N] or None.
-    With `packed` (grpo.pack_rows of the same rows) each shared prompt is forwarded once; the
-    result is the same, laid out the same."""
-    forward = model.selected_logprobs if hasattr(model, "selected_logprobs") else functools.partial(selected_logprobs,
-                                                                                                     model)
-    targets = input_ids[:, 1:][loss_mask]  # [N]
-    where = dict(loss_mask=loss_mask) if packed is None else dict(position_ids=packed.position_ids, index=packed.index)
-    selected, ent = forward(input_ids if packed is None else packed.input_ids,
-                            attention if packed is None else packed.block, targets, temperature, chunk, with_entropy,
-                            **where)
-    logp = torch.zeros(loss_mask.shape, dtype=selected.dtype, device=input_ids.device)  # fp32 (fp64 models: fp64)
-    logp[loss_mask] = selected
-    return logp, ent
-
-
-def row_logprobs(model, prompts, responses, pad_id, temperature, shared=False, chunk=1024):
-    """Each row's response-token log-probs as its own [len(response)] tensor (lists of ids in);
-    shared: rows with the same prompt forward it once (grpo.pack_rows). No rows: one stand-in
-    forward all the same (under FSDP every rank must run the same forwards), and []."""
-    device = next(model.parameters()).device
-    rows = (prompts, responses) if prompts else ([[pad_id]], [[pad_id]])
-    ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(*rows, pad_id))
-    mask = response_mask[:, 1:]  # [B, L-1]
-    packed = grpo.pack_rows(*rows, pad_id).to(device) if shared else None
-    logp, _ = response_logprobs(model, ids, attention, mask, temperature, packed=packed, chunk=chunk)
-    return [row[m] for row, m in zip(logp, mask)] if prompts else []
+    def of_kind(self, kind):
+        """[B, 1] bool: the rows of this kind (broadcasts against the [B, L-1] masks)."""
+        return torch.tensor([r.kind == kind for r in self.rows], device=self.loss_mask.device)[:, None]
 
 
 # ----------------------------------------------------------------------------- one step
@@ -398,13 +388,42 @@ def collect_groups(engine, stream, state, cfg, reward_fn, generate=generate_grou
         info["refills"] += 1
 
 
+def shaped_rewards(g):
+    """What a group's advantages are formed from: its verified rewards plus its shaping bonus."""
+    return list(g.rewards) if g.bonus is None else [r + b for r, b in zip(g.rewards, g.bonus)]
+
+
+def rollout_features(run, groups):
+    """Per group [K, H]: its rollouts' pooled final hidden states (forward.group_hidden_means),
+    from the pre-update policy under the ORIGINAL prompt x (templated rollouts too, so that a
+    group's rollouts are comparable)."""
+    cfg = run.cfg
+    x = lambda g: encode_prompt(run.tokenizer, problem_messages(g.problem, fmt=cfg.prompt_format), run.chat_kwargs)  # noqa: E731
+    with autocast(cfg, next(run.policy.parameters()).device):
+        return group_hidden_means(run.policy, groups, x, run.pad_id, cfg.micro_batch_size)
+
+
+def make_shapers(cfg, policy):
+    """This run's reward shapers, in the order shaping.apply_shapers calls them (shaping.py): CLIPO
+    (--clipo_weight > 0) and our agreement bonus (--agreement_bonus > 0). A method appends its own."""
+    shapers = []
+    if cfg.clipo_weight > 0:
+        shapers.append(shaping.Clipo(policy.config.hidden_size, cfg.clipo_dim, cfg.clipo_tau, cfg.clipo_weight,
+                                     cfg.clipo_cap, cfg.clipo_lr, cfg.clipo_weight_decay,
+                                     released=cfg.clipo_loss == "released", seed=cfg.seed))
+    if cfg.agreement_bonus > 0:
+        shapers.append(functools.partial(shaping.agreement, weight=cfg.agreement_bonus, cap=cfg.agreement_cap,
+                                         n=cfg.agreement_ngram))
+    return shapers
+
+
 def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     """Rows of every rollout: advantages normalised inside each group (templated or not); a
     templated rollout is trained under the ORIGINAL prompt x with its response ids unchanged
     (context distillation) and keeps x~ for its CRM weights. Under torchrun, the rows of this
     rank's whole groups (dist.split: groups rank, rank + world, ...), tagged with their
     index among all the step's groups."""
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
+    rewards = torch.tensor([shaped_rewards(g) for g in groups], dtype=torch.float32)  # [G, K]
     adv = grpo.group_advantages(rewards, "raw" if cfg.algo == "sft" else cfg.adv_norm)  # [G, K]
     rows = []
     for gi, (g, group_adv) in enumerate(zip(groups, adv.tolist())):
@@ -425,6 +444,14 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
     return rows
 
 
+def auxiliary_rows(run, groups):
+    """Rows a method adds to the step besides the rollouts, with a Row.kind of its own that only
+    its AuxTerm (aux_terms) reads; GRPO's term, denominators and entropy never see them. Under
+    torchrun return the rows of this rank's groups only (gi % world == rank, as training_rows).
+    None ship: docs/METHOD.md §10 adds a method here in a few lines."""
+    return []
+
+
 def pre_update_pass(rows, policy, reference, cfg, pad_id):
     """Rows -> right-padded micro-batches (grpo.micro_chunks) holding what the loss needs besides the
     training forward: the rows' CRM weights and engine log-probs laid out on the batch, and from
@@ -439,7 +466,8 @@ def pre_update_pass(rows, policy, reference, cfg, pad_id):
             ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
             mask = response_mask[:, 1:]  # [B, L-1]
             b = MicroBatch(ids, attention, mask, torch.tensor([r.advantage for r in chunk], device=device),
-                           *grpo.scatter_rows([r.sampler_logp for r in chunk], mask), dummy=i >= len(chunks))
+                           *grpo.scatter_rows([r.sampler_logp for r in chunk], mask), dummy=i >= len(chunks),
+                           rows=chunk)
             if any(r.crm_weight is not None for r in chunk):
                 b.crm_weight = grpo.scatter_rows([r.crm_weight for r in chunk], mask, fill=1.0)[0]
             if any(r.tilde_old_logp is not None for r in chunk):
@@ -457,24 +485,43 @@ def pre_update_pass(rows, policy, reference, cfg, pad_id):
     return batches
 
 
-def micro_batch_loss(policy, b, cfg, denominators, with_entropy):
-    """The training forward of one micro-batch and its share of the step loss (grpo.policy_loss)."""
+def micro_batch_loss(policy, b, cfg, part, terms, with_entropy):
+    """The training forward of one micro-batch and its share of the step loss: GRPO's policy
+    term (grpo.policy_loss) on the rollout rows over the mini-batch's rollout denominators, plus
+    each AuxTerm on its own rows over its own denominators (`part`: a Part)."""
     with autocast(cfg, b.input_ids.device):
         logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
                                       b.packed, cfg.head_chunk)
     old_logp = b.old_logp
     if b.tilde_old is not None:  # fix_importance_ratio: a templated row's old policy is pi_old(y|x~)
         old_logp = torch.where(b.tilde_old[1], b.tilde_old[0], logp.detach() if old_logp is None else old_logp)
+    rollout = b.loss_mask & b.of_kind(ROLLOUT)  # [B, L-1]
     loss, sums = grpo.policy_loss(
-        logp, old_logp, b.advantages, b.loss_mask, denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        logp, old_logp, b.advantages, rollout, part.denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg, max_len=cfg.max_tokens, crm_weight=b.crm_weight,
-        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask, tis_cap=cfg.tis_cap, ref_logp=b.ref_logp,
-        kl_beta=cfg.kl_beta)
-    if ent is not None:
+        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask & rollout, tis_cap=cfg.tis_cap)
+    sums = Counter(sums, loss_policy=loss.item())
+    for term in terms:
+        mask, d = (b.loss_mask & b.of_kind(term.kind)).to(logp.dtype), part.aux[term.kind]
+        token_loss = term.token_loss(logp, b)  # [B, L-1]
+        value = term.coef * grpo.aggregate(token_loss, mask, cfg.loss_agg, d.tokens, d.rows, cfg.max_tokens)
+        loss = loss + value
+        sums.update({f"loss_{term.name}": value.item(), f"{term.name}_sum": (token_loss.detach() * mask).sum().item()})
+    if ent is not None:  # the policy's entropy on the rollouts' tokens (ent follows loss_mask's order)
+        ent = ent[rollout[b.loss_mask]]
         sums.update(entropy_sum=ent.sum().item(), entropy_tokens=ent.numel())
     if b.dummy:  # torchrun: a stand-in that keeps the ranks' forwards and backwards in step
         return loss * 0.0, {"mismatch_abs_max": 0.0}
     return loss, sums
+
+
+@dataclass
+class Part:
+    """One optimizer step's rows (a mini-batch of whole groups), ready for the update."""
+    batches: list  # MicroBatch of the forwarded rows (`forwarded`)
+    denominators: grpo.Denominators  # the rollout rows' (GRPO's policy term)
+    aux: dict  # row kind -> grpo.Denominators of that kind's rows (each AuxTerm's own)
+    trained: int  # rows forwarded
 
 
 @dataclass
@@ -483,78 +530,93 @@ class Update:
     finite: bool  # False: skipped, no trace left in the weights or the optimizer
     loss: float  # loss of an optimizer step, mean over the call's steps (PPO epochs x mini-batches)
     grad_norm: float  # before clipping, last optimizer step
-    trained_rows: int  # rows forwarded (the others had zero advantage and no KL term)
-    sums: Counter  # clipped_tokens, kl_sum, entropy_sum / entropy_tokens (first epoch), crm_*
+    trained_rows: int  # rows forwarded (`forwarded`)
+    sums: Counter  # clipped_tokens, loss_policy / loss_<term> / <term>_sum, entropy_sum / entropy_tokens (first epoch), crm_*
 
 
-def prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups):
-    """The call's mini-batches of whole groups, each as (micro-batches, grpo.Denominators,
-    forwarded rows), and the CRM sums. The CRM pass covers every templated row of a
-    mini-batch, also those of groups that are not forwarded (all-zero advantages): the kept
-    denominator and the logged masked fraction count them. Every sum is global (dist.all_sum)."""
+def prepare_mini_batches(policy, reference, rows, cfg, *, pad_id, n_groups, terms):
+    """The call's mini-batches of whole groups, each a Part, and the CRM sums. The CRM pass covers
+    every templated rollout of a mini-batch, also those of groups that are not forwarded
+    (all-zero advantages): the kept denominator and the logged masked fraction count them.
+    Every sum is global (dist.all_sum). Only rows of kind ROLLOUT count in GRPO's denominators."""
     size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
     parts, sums = [], Counter()
     old_logprobs = functools.partial(row_logprobs, policy, pad_id=pad_id, temperature=cfg.temperature,
                                      shared=cfg.shared_prompt, chunk=cfg.head_chunk)
     for lo in range(0, n_groups, size):
         part = [r for r in rows if lo <= r.group < lo + size]
+        rollouts = [r for r in part if r.kind == ROLLOUT]
         with torch.no_grad(), autocast(cfg, next(policy.parameters()).device):
-            weights, crm, tilde = distill.crm_pass(part, old_logprobs, cfg.micro_batch_size, cfg.crm_low,
-                                                   cfg.crm_high, cfg.crm_soft)
+            plain, tilde = two_context_logprobs(old_logprobs, [r.prompt_ids for r in rollouts],
+                                                [r.tilde_prompt_ids for r in rollouts],
+                                                [r.response_ids for r in rollouts], cfg.micro_batch_size)
+        weights, crm = distill.crm_rows(plain, tilde, cfg.crm_low, cfg.crm_high, cfg.crm_soft)
         if not cfg.crm:  # the pass ran for fix_importance_ratio's old log-probs alone
-            weights, crm = [None] * len(part), distill.CrmSums()
-        for r, w, old in zip(part, weights, tilde):
+            weights, crm = [None] * len(rollouts), distill.CrmSums()
+        for r, w, old in zip(rollouts, weights, tilde):
             r.crm_weight, r.tilde_old_logp = w, old if cfg.fix_importance_ratio else None
-        trained = [r for r in part if r.advantage != 0.0 or cfg.kl_beta > 0]  # the others have zero gradient
+        trained = [r for r in part if forwarded(r, terms)]
         denominators = grpo.step_denominators(
-            dist.all_sum(sum(len(r.response_ids) for r in part)), dist.all_sum(len(part)),
+            dist.all_sum(sum(len(r.response_ids) for r in rollouts)), dist.all_sum(len(rollouts)),
             dist.all_sum(crm.templated_tokens), dist.all_sum(crm.weight_sum), cfg.crm_denominator)
-        parts.append((pre_update_pass(trained, policy, reference, cfg, pad_id), denominators, len(trained)))
+        aux = {}
+        for kind in dict.fromkeys(t.kind for t in terms):
+            of_kind = [r for r in part if r.kind == kind]
+            tokens, n = dist.all_sum(sum(len(r.response_ids) for r in of_kind)), dist.all_sum(len(of_kind))
+            aux[kind] = grpo.Denominators(max(tokens, 1), max(n, 1), max(tokens, 1))  # none of its rows: a term of 0
+        parts.append(Part(pre_update_pass(trained, policy, reference, cfg, pad_id), denominators, aux, len(trained)))
         sums.update({f"crm_{k}": v for k, v in fields_of(crm).items()})
     return parts, sums
 
 
-def policy_update(policy, reference, optimizer, rows, cfg, pad_id, n_groups=None):
+def policy_update(policy, reference, optimizer, rows, cfg, *, pad_id, n_groups=None, terms=None):
     """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
     whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
     token-mean over ITS whole mini-batch, whatever the micro-batch split; after the first step
     the PPO ratio is taken against the log-probs stored before the update. A non-finite loss or
     gradient in any step restores the weights and optimizer state of before the call.
+    terms: the AuxTerms (default aux_terms(cfg)).
 
     Under torchrun `rows` are this rank's share and n_groups counts the step's groups on all
     ranks. The denominators (tokens, rows, CRM weight mass) are global sums, so each rank's
     loss is its share of the single-process loss and the summed gradients (dist.shard) are the
     single-process gradient; the finiteness decision and the logged sums are global too."""
     n_groups = n_groups or max((r.group for r in rows), default=0) + 1
-    parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id, n_groups)
+    terms = aux_terms(cfg) if terms is None else terms
+    parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id=pad_id, n_groups=n_groups, terms=terms)
     snapshot = dist.cpu_snapshot(policy, optimizer) if cfg.ppo_epochs * len(parts) > 1 else None
-    losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p[2] for p in parts))
+    losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p.trained for p in parts))
     device = next(policy.parameters()).device
     for epoch in range(cfg.ppo_epochs):
-        for batches, denominators, _ in parts:
+        for part in parts:
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
             # one autocast region for all micro-batches: each weight is cast to bf16 once a step, not
             # once a micro-batch. Not under FSDP, where that cache would hold every layer's gathered weights
             with autocast(cfg, device) if not dist.active() else contextlib.nullcontext():
-                for b in batches:
-                    loss, s = micro_batch_loss(policy, b, cfg, denominators, with_entropy=epoch == 0)
+                for b in part.batches:
+                    loss, s = micro_batch_loss(policy, b, cfg, part, terms, with_entropy=epoch == 0)
                     loss.backward()
                     loss_sum += loss.item()
                     sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
                     sums.update(s)
-            grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip) if batches else 0.0  # global norm
+            grad_norm = dist.clip_grad_norm(policy, cfg.grad_clip) if part.batches else 0.0  # global norm
             loss_sum = dist.all_sum(loss_sum)
             losses.append(loss_sum)
             if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 if snapshot is not None:  # undo this call's earlier optimizer steps
                     dist.restore_snapshot(policy, optimizer, snapshot)
-                return Update(False, loss_sum, grad_norm, n_trained, dist.sum_counters(sums, ("mismatch_abs_max",)))
+                return Update(False, loss_sum, grad_norm, n_trained, update_sums(sums, len(losses)))
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # the gradients (fp32, a model's worth) are not held through the push
-    return Update(True, sum(losses) / len(losses), grad_norm, n_trained,
-                  dist.sum_counters(sums, ("mismatch_abs_max",)))
+    return Update(True, sum(losses) / len(losses), grad_norm, n_trained, update_sums(sums, len(losses)))
+
+
+def update_sums(sums, steps):
+    """Summed over ranks; each term's loss (loss_*) as the mean over the call's optimizer steps, as Update.loss."""
+    sums = dist.sum_counters(sums, ("mismatch_abs_max",))
+    return Counter({k: v / steps if k.startswith("loss_") else v for k, v in sums.items()})
 
 
 # ----------------------------------------------------------------------------- GEPA at an epoch's end
@@ -636,69 +698,6 @@ def end_epoch(run, search=True):
 # ----------------------------------------------------------------------------- the loop
 
 
-def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
-    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
-    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
-    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
-    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
-    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
-
-    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
-    the engine starts from the base and is pushed the merged weights on resume."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg.lora_rank:
-        policy = lora.load_policy(cfg, model_path, weights_path, device)
-    else:
-        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
-    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
-        use_packed_flex(policy)
-    attention = policy.config._attn_implementation
-    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
-        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
-                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
-                         "or --shared_prompt=False")
-    policy.train()
-    if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forward
-    policy = dist.shard(policy, forward_methods=("selected_logprobs",))
-    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
-    if cfg.kl_beta > 0 and not cfg.lora_rank:
-        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
-        reference.requires_grad_(False)
-        if policy.config._attn_implementation == grpo.PACKED_FLEX:
-            use_packed_flex(reference)
-    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
-    if engine is None:
-        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
-    if engine is None and cfg.backend == "hf":
-        shared = None if dist.active() or cfg.lora_rank else policy  # one process: the engine shares the policy's weights
-        engine = HFRollout(holds, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
-                           rank=dist.rank())
-        engine.model.to(device)
-    elif engine is None:
-        engine = make_rollout(cfg.backend, holds, dtype=cfg.engine_dtype, seed=cfg.seed,
-                              max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
-                              kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
-                              chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
-                              progress_bars=cfg.verbose, rank=dist.rank())
-    if holds != weights_path:  # a resume moved on from what the engine holds
-        engine.push_weights(lora.engine_weights(policy, getattr(engine, "dtype", None)))
-    return policy, reference, tokenizer, engine
-
-
-def warmup_factor(warmup_steps, from_zero, step):
-    """lr multiplier of training step `step` (0-based; every optimizer step of a training step
-    uses it): linear warm-up, then 1. Ours reaches lr/warmup at the first step, (s + 1)/warmup;
-    verl's starts at 0, s/warmup (warmup_from_zero)."""
-    if step >= warmup_steps:
-        return 1.0
-    return (step + (0 if from_zero else 1)) / warmup_steps
-
-
 @dataclass
 class Run:
     """What start_run() sets up once and every phase of the loop reads: settings, process
@@ -728,6 +727,8 @@ class Run:
     reflector: object = None  # a given reflector (tests: a scripted one); None: make_reflector each GEPA round
     started: float = 0.0  # time.perf_counter() at the start of start_run
     seconds: Counter = field(default_factory=Counter)  # wall time of this process by phase (the summary's line)
+    terms: list = field(default_factory=list)  # AuxTerms of the loss (aux_terms)
+    shapers: list = field(default_factory=list)  # reward shapers (make_shapers)
 
 
 def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
@@ -781,9 +782,13 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     if cfg.fixed_template:  # rejection-sampling distillation's one template, on every prompt from step 1
         fixed = gepa.read_seed_templates(cfg.fixed_template, cfg.max_template_chars)[0]
         state.assignment = {p.id: [fixed] * cfg.group_size for p in train_set}
+    shapers = make_shapers(cfg, policy)
     if saved:
         own = load_rank_state(resume_path, rank) if world > 1 else saved
         state = LoopState(**restore_trainer(saved, own, optimizer, scheduler, warmup, cfg))
+        for shaper, shaper_state in zip(shapers, saved.get("shapers", [])):  # identical on every rank: saved once
+            if shaper_state is not None:
+                shaper.load_state_dict(shaper_state)
         if is_main:
             print(f"resuming from {resume_path} at step {state.step}")
     if is_main:
@@ -801,27 +806,7 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
                model_path=model_path, chat_kwargs=chat_kwargs, policy=policy, reference=reference,
                tokenizer=tokenizer, engine=engine, pad_id=pad_token_id(tokenizer), optimizer=optimizer,
                scheduler=scheduler, state=state, log=log, reward_fn=reward_fn, reflector=reflector, started=started,
-               seconds=Counter({"start-up": time.perf_counter() - started}))
-
-
-def checkpoint(run):
-    """Everything a resume needs (restore() reads it back), one folder per step -> its path."""
-    t = time.perf_counter()
-    own = {"optimizer": dist.optimizer_state(run.optimizer), "rng": rng_state()}
-    trainer = {"config": dataclasses.asdict(run.cfg), "loop": fields_of(run.state),
-               "scheduler": run.scheduler.state_dict(), "world": run.world, **(own if run.world == 1 else {})}
-    path = save_checkpoint(run.run_dir, run.state.step, run.policy, run.tokenizer, trainer, own)
-    if run.is_main and run.cfg.keep_checkpoints:
-        prune_checkpoints(run.run_dir, run.cfg.keep_checkpoints)
-    run.seconds["checkpoints"] += time.perf_counter() - t
-    return path
-
-
-def export(run):
-    """export-NNNNNN/: this step's model alone in bf16 (runs.save_export), beside the checkpoints."""
-    t = time.perf_counter()
-    save_export(run.run_dir, run.state.step, run.policy, run.tokenizer, dataclasses.asdict(run.cfg))
-    run.seconds["checkpoints"] += time.perf_counter() - t
+               seconds=Counter({"start-up": time.perf_counter() - started}), terms=aux_terms(cfg), shapers=shapers)
 
 
 def dev_eval(run):
@@ -855,17 +840,24 @@ def train_step(run):
     t0 = time.perf_counter()
     generate = functools.partial(gold_groups, run.tokenizer, run.chat_kwargs) if cfg.algo == "sft" else generate_groups
     groups, info = collect_groups(engine, run.stream, state, cfg, run.reward_fn, generate)
-    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs)
-    state.counts.update(forward_tokens(rows, cfg))
+    t = time.perf_counter()
+    shaping = apply_shapers(run.shapers, groups, functools.partial(rollout_features, run, groups))
+    info["score"] += time.perf_counter() - t
+    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs) + auxiliary_rows(run, groups)
+    state.counts.update(forward_tokens(rows, cfg, functools.partial(forwarded, terms=run.terms)))
     t = time.perf_counter()
     if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
         engine.sleep()
-    update = policy_update(run.policy, run.reference, run.optimizer, rows, cfg, run.pad_id, n_groups=len(groups))
+    if state.step < cfg.frozen_steps:  # the policy waits (CLIPO: while its head warms up); the lr schedule too
+        update = Update(True, float("nan"), 0.0, 0, Counter())
+    else:
+        update = policy_update(run.policy, run.reference, run.optimizer, rows, cfg, pad_id=run.pad_id,
+                               n_groups=len(groups), terms=run.terms)
     info["train"] = time.perf_counter() - t
     lr = run.optimizer.param_groups[0]["lr"]  # the lr this update used
     state.step += 1
     t = time.perf_counter()
-    if update.finite:
+    if update.finite and state.step > cfg.frozen_steps:
         state.bad_steps = 0
         run.scheduler.step()
     if (update.finite and update.trained_rows) or getattr(engine, "sleep_level", 0) == 2:  # level 2 dropped its weights
@@ -876,7 +868,7 @@ def train_step(run):
         if run.is_main:
             tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
     info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
-    m = step_metrics(state, groups, update, info, lr, cfg)
+    m = {**step_metrics(state, groups, update, info, lr, cfg), **shaping}
     for phase in ("generate", "score", "train", "push"):
         run.seconds[phase] += info[phase]
     if run.is_main:
@@ -904,13 +896,14 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     cfg, resume_path, saved = resume_point(cfg, given)
     check_config(cfg)  # settings, model and reflector: one line each, before anything loads
     data = load_data(cfg)
-    reward_fn = reward_fn or (lambda text, problem: REWARDS[cfg.reward](text, problem.answer))
+    if reward_fn is None:  # --reward: one scorer for rollouts, GEPA and the dev set (eval.py reads the same flag)
+        check_fn = reward_scorer(cfg, data[0])
+        reward_fn = lambda text, problem: check_fn(text, problem).reward  # noqa: E731
     run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
     state, is_main = run.state, run.is_main
     stop = StopSignal()
-    if is_main and cfg.ppo_epochs == cfg.mini_batches == 1 and not cfg.fix_importance_ratio:
-        print("note: with ppo_epochs=1 the PPO ratio is exactly 1, so the logged loss is ~0 while its "
-              "gradient is the policy gradient (see grpo.py)")
+    if is_main:
+        print(loss_note(cfg, run.terms))
     if state.step == 0:
         dev_eval(run)
     by_tokens = cfg.max_gen_tokens > 0  # a token budget ends the run: count tokens, so the ETA means something
@@ -963,13 +956,7 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
                       len(run.dev_set))
         print(time_summary(run.seconds, time.perf_counter() - run.started))
     return {"step": state.step, "checkpoint": final_path, "policy": run.policy, "counts": state.counts,
-            "gepa_history": state.gepa_history, "dev": records, "state": state}
-
-
-def budget_spent(state, cfg):
-    """--max_gen_tokens: the run stops at the first step boundary at or past the budget (a
-    step or a GEPA round may overshoot it; compare.py reports the actual spend)."""
-    return cfg.max_gen_tokens > 0 and generated_tokens(state.counts) >= cfg.max_gen_tokens
+            "gepa_history": state.gepa_history, "dev": records, "state": state, "shapers": run.shapers}
 
 
 def main(argv):

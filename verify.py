@@ -20,7 +20,7 @@ integer is written (`004`, `+4`, `-0`) (reason 'exact_match'), and two integers 
 ('not_equivalent'). math-verify gives these the same verdicts, except that it scores identical
 text it cannot parse 0.
 
-Two rules, chosen by name through REWARDS (train.py reads `verify.REWARDS[cfg.reward]`):
+Two rules, chosen by name (`--reward`; `load_reward` also takes any Python callable):
 
 - "ours" (`reward`/`check`): the final box decides, however many boxes there are;
 - "official" (`official_reward`/`official_check`): the effect of the reward in the reference P2O
@@ -375,5 +375,66 @@ class _Worker:
 
 _WORKER = _Worker()
 
-REWARDS = {"ours": reward, "official": official_reward}  # train.py: verify.REWARDS[cfg.reward]
+REWARDS = {"ours": reward, "official": official_reward}  # the built-in rules, by --reward name
 CHECKS = {"ours": check, "official": official_check}  # the same rules with their verdicts (eval.py)
+
+
+# ----------------------------------------------------------------------------- any reward, by --reward
+
+
+def load_reward(spec):
+    """--reward -> check_fn(response, problem) -> Verdict, the one scorer of rollouts, dev
+    evaluation, GEPA and eval.py. `spec`: 'ours' | 'official' (the rules above, against
+    problem.answer), or 'module:function' / 'path/to/file.py:function': a Python callable
+    (response: str, problem: data.Problem) -> float. Mining, GEPA and pass@k count a response as
+    solved when its reward is > 0 (pass@k and maj@k assume 0 or 1, as the built-in rules give);
+    the Verdict of a callable holds its reward, the last \\boxed{} content as `extracted` (for
+    maj@k and the logs) and reason 'custom'. A spec that does not load raises ValueError naming it.
+
+        check_fn = load_reward("examples/short_answer.py:exact_match")
+        check_fn("The capital is \\boxed{Paris}.", problem)   # problem.answer == "paris"
+        -> Verdict(reward=1.0, extracted='Paris', reason='custom')
+    """
+    if spec in CHECKS:
+        rule = CHECKS[spec]
+        return lambda response, problem: rule(response, problem.answer)
+    fn = load_callable(spec)
+
+    def custom(response, problem):
+        try:
+            value = fn(response, problem)
+        except Exception as e:  # noqa: BLE001 -- named, with the problem, then raised on
+            raise RuntimeError(f"--reward={spec} raised {type(e).__name__} on problem "
+                               f"{getattr(problem, 'id', '?')}: {e}") from e
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"--reward={spec} returned {value!r} for problem {getattr(problem, 'id', '?')}; "
+                             "it must return a finite number")
+        return Verdict(float(value), last_boxed(response)[0], "custom")
+    return custom
+
+
+def load_callable(spec):
+    """'module:function' (importable; the repository's root is on the path) or
+    'path/to/file.py:function' -> the callable; ValueError naming the spec otherwise."""
+    import importlib
+    import importlib.util
+
+    source, _, name = spec.rpartition(":")
+    if not source or not name:
+        raise ValueError(f"--reward is one of {' | '.join(map(repr, CHECKS))} | module:function | "
+                         f"path/to/file.py:function, got {spec!r}")
+    try:
+        if source.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+            if module_spec is None or not os.path.isfile(source):
+                raise FileNotFoundError(f"no file {source}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(source)
+    except Exception as e:  # noqa: BLE001 -- whatever the module raises while importing: one line
+        raise ValueError(f"--reward={spec}: cannot import {source} ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--reward={spec}: {source} has no callable {name!r}")
+    return fn

@@ -9,7 +9,7 @@
    task's real prompts with response lengths like the default run's (uniform 8-64 tokens,
    random ids), every row trained. FLOPs counted, forward + backward = 3 x forward:
      matmuls   6 * N * T          N = non-embedding parameters, T = tokens forwarded
-     LM head   6 * V * H * R      only at the R response positions (train.selected_logprobs)
+     LM head   6 * V * H * R      only at the R response positions (forward.selected_logprobs)
      attention 12 * L * H * P     P = (query, visible key) pairs, causal and block masks
                                   respected (what a masked kernel needs; padding excluded)
    Not counted: norms, activations, softmax, the optimizer (all memory-bound).
@@ -94,11 +94,11 @@ def main():
     cfg = train.Config()
     rows = batch(tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
-    train.policy_update(policy, None, optimizer, rows, cfg, tokenizer.pad_token_id)  # warm-up
+    train.policy_update(policy, None, optimizer, rows, cfg, pad_id=tokenizer.pad_token_id)  # warm-up
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        train.policy_update(policy, None, optimizer, rows, cfg, tokenizer.pad_token_id)
+        train.policy_update(policy, None, optimizer, rows, cfg, pad_id=tokenizer.pad_token_id)
         times.append(time.perf_counter() - t)
     flops, parts = step_flops(policy, rows)
     peak, shapes = peak_flops()
@@ -110,7 +110,7 @@ def main():
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train.policy_update(policy, None, optimizer, rows, cfg, tokenizer.pad_token_id)
+        train.policy_update(policy, None, optimizer, rows, cfg, pad_id=tokenizer.pad_token_id)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
     print(f"MFU: {flops / step / peak:.3f}")
 

@@ -81,7 +81,7 @@ def main():
                 policy.load_state_dict(initial)
                 optimizer = torch.optim.AdamW(policy.parameters(), lr=run_cfg.lr)
                 t = time.perf_counter()
-                train.policy_update(policy, None, optimizer, rows, run_cfg, tokenizer.pad_token_id)
+                train.policy_update(policy, None, optimizer, rows, run_cfg, pad_id=tokenizer.pad_token_id)
                 times[shared].append(time.perf_counter() - t)
     for shared in (False, True):
         print(f"shared_prompt={shared}: {statistics.mean(times[shared]):.2f} s per step "

@@ -125,6 +125,10 @@ ARMS = {  # train.py settings of each arm, on top of the shared ones
     # supervised fine-tuning on the gold solutions under the plain prompt: a step of B x K gold rows
     # (as many rows as an RL step), its gold tokens counted against the budget, log-probs at T = 1
     "sft_gold": {"algo": "sft", "prompts_per_step": "BxK", "group_size": 1, "temperature": 1.0},
+    # the sibling methods on the reward-shaping hook (docs/METHOD.md §10): CLIPO with the release's constants
+    # (no frozen warm-up: a budget of a few steps), and our n-gram agreement bonus
+    "grpo_clipo": {"algo": "grpo", "clipo_weight": 0.2},
+    "grpo_agreement": {"algo": "grpo", "agreement_bonus": 0.2},
     # Self-Ref with the reference code's reflection prompt (asks for domain facts), as its preset sends it
     "p2o_self_official": {"algo": "p2o", "reflector": "init", "reflect_prompt": "official", "reflect_guards": False,
                           "reflect_temperature": 0.6, "reflect_max_tokens": 256},
@@ -350,9 +354,19 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, sets, answers
               "train_seconds": wall, "score_seconds": score_seconds, "scored_as": scored_as,
               "final_checkpoint": os.path.basename(final), "best_checkpoint": os.path.basename(best),
               "test": test, "sets": scores, "dev": dev, "templates_assigned": assigned, "leaks": leaks,
-              "counts": last.get("counts", {}), "flops": flops(last.get("counts", {}), base["params"])}
+              "counts": last.get("counts", {}), "flops": flops(last.get("counts", {}), base["params"]),
+              "shaping": shaping_summary(metrics)}
     write_json(os.path.join(run_dir, "result.json"), result)
     return result
+
+
+def shaping_summary(metrics):
+    """What reward shaping did over a run (train.py's shaping_* metrics; {} for an arm without it):
+    per step, the fraction of groups shaped and of groups whose advantage order changed or
+    reversed, the mean bonus; here their means over the steps, and the steps."""
+    steps = [m for m in metrics if "shaping_groups" in m]
+    keys = ("shaping_groups", "shaping_order_changed", "shaping_order_reversed", "shaping_bonus_mean")
+    return {k: sum(m[k] for m in steps) / len(steps) for k in keys} | {"steps": len(steps)} if steps else {}
 
 
 def same_weights(checkpoint, model):

@@ -295,6 +295,21 @@ def plot_dev(task_name, results, out_path):
     plt.close(fig)
 
 
+def shaping_report(results):
+    """What the reward-shaping arms' bonuses did (compare.shaping_summary), mean over seeds."""
+    lines = ["Reward shaping (train.py's shaping_* metrics, mean over a run's steps, then over seeds): the share of "
+             "groups given a bonus, of groups whose advantage order changed (a tie broken or made) or reversed, "
+             "and the mean bonus over every rollout:", "",
+             "| arm | runs | groups shaped | order changed | order reversed | mean bonus |", "|---|---|---|---|---|---|"]
+    for arm, runs in results.items():
+        runs = [r["shaping"] for r in runs if r.get("shaping")]
+        if runs:
+            mean = lambda key: statistics.mean(r[key] for r in runs)  # noqa: E731
+            lines.append(f"| {arm} | {len(runs)} | {mean('shaping_groups'):.3f} | {mean('shaping_order_changed'):.3f} | "
+                         f"{mean('shaping_order_reversed'):.3f} | {mean('shaping_bonus_mean'):+.4f} |")
+    return lines + [""] if len(lines) > 4 else []
+
+
 def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None, contrasts=None):
     """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows).
     commands: {task: the command its runs were made with}; seed_free: {task: arms}; families:
@@ -319,7 +334,8 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
                                  commands.get(task_name, ""), (families or {}).get(task_name),
-                                 (contrasts or {}).get(task_name, ())) + probe_report(results) + leak_lines(results)
+                                 (contrasts or {}).get(task_name, ())) + probe_report(results) + shaping_report(results) \
+                + leak_lines(results)
             png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
             plot_dev(task_name, results, png)
             lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]

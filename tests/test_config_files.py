@@ -99,6 +99,35 @@ def test_the_official_preset_holds_the_released_scripts_values():
     config.check_config(cfg, models=False)  # a valid configuration (the model is not looked up)
 
 
+# CLIPO's release (Qwen-Applications/CLIPO, 13c5fd6), its GSM8K script and the defaults it runs with,
+# as our settings on top of Config's: name -> (value, where the release sets it). From the release.
+CLIPO_SCRIPT = "scripts/train_gsm8k.sh"
+CLIPO = {
+    "algo": ("grpo", "verl's GRPO with CLIPO's reward"),
+    "clipo_weight": (0.2, f"{CLIPO_SCRIPT}:29 con_lm_head_lambda=0.2"),
+    "clipo_cap": (0.5, "verl/trainer/ppo/ray_trainer.py:1669 clamp(min=-0.5)"),
+    "clipo_dim": (512, f"{CLIPO_SCRIPT}:26 con_lm_head_output_size=512"),
+    "clipo_tau": (0.05, f"{CLIPO_SCRIPT}:28 con_lm_head_temperature=0.05"),
+    "clipo_lr": (1e-3, "verl/trainer/config/model/hf_model.yaml:55"),
+    "clipo_weight_decay": (0.01, "verl/trainer/config/model/hf_model.yaml:56"),
+    "clipo_loss": ("released", "ray_trainer.py:201-213 the shift and the 1e-8"),
+    "frozen_steps": (13, f"{CLIPO_SCRIPT}:43 critic_warmup=14: the actor first updates at global step 14"),
+    "group_size": (16, f"{CLIPO_SCRIPT}:35 rollout.n=16"),
+    "prompts_per_step": (512, f"{CLIPO_SCRIPT}:32 train_batch_size=512"),
+    "epochs": (6, f"{CLIPO_SCRIPT}:46 total_epochs=6"),
+    "lr": (1e-6, f"{CLIPO_SCRIPT}:67 actor.optim.lr=1e-6"),
+    "kl_beta": (0.001, f"{CLIPO_SCRIPT}:20-21,73 kl_loss_coef=0.001, low_var_kl"),
+}
+
+
+def test_the_clipo_preset_holds_the_released_values_and_nothing_else():
+    cfg = apply_config_file(Config(), os.path.join(ROOT, "configs", "clipo_official.yaml"))
+    differ = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config(), k)}
+    assert differ == {k: v for k, (v, _) in CLIPO.items() if v != getattr(Config(), k)}
+    assert all(getattr(cfg, k) == v for k, (v, _) in CLIPO.items())
+    config.check_config(cfg, models=False)
+
+
 def test_the_one_gpu_lora_preset_is_the_official_recipe_with_lora():
     official = dataclasses.asdict(apply_config_file(Config(), PRESET))
     cfg = apply_config_file(Config(), os.path.join(ROOT, "configs", "p2o_lora_1gpu.yaml"))

@@ -2,6 +2,7 @@
 (rejection-sampling distillation), --algo=sft (gold solutions), and the token counts behind
 the FLOPs column."""
 
+import functools
 import json
 import os
 
@@ -13,7 +14,7 @@ import train
 from data import Problem
 from rollout import Sample, encode_prompt
 from prompts import problem_messages
-from test_train import load_tiny, tiny_config
+from conftest import load_tiny, tiny_config
 
 
 def test_raw_advantages_are_the_rewards():
@@ -65,10 +66,11 @@ def test_forward_tokens_by_hand():
     rows = [Row([1, 2, 3], [4, 5], 1.0),  # trained: 5 tokens
             Row([1, 2, 3], [6], 0.0),  # zero advantage: not forwarded with a gradient
             Row([1, 2], [7, 8, 9], -0.5, tilde_prompt_ids=[9, 9, 9, 1, 2])]  # trained 5; CRM pass 5 + 8
+    rule = lambda cfg: functools.partial(train.forwarded, terms=train.aux_terms(cfg))  # noqa: E731
     cfg = train.Config()
-    assert forward_tokens(rows, cfg) == {"train_fb_tokens": 10, "nograd_tokens": 13}
+    assert forward_tokens(rows, cfg, rule(cfg)) == {"train_fb_tokens": 10, "nograd_tokens": 13}
     cfg = train.Config(ppo_epochs=2, kl_beta=0.1)  # every row is forwarded (KL); old and reference forwards
-    assert forward_tokens(rows, cfg) == {"train_fb_tokens": 2 * 14, "nograd_tokens": 13 + 2 * 14}
+    assert forward_tokens(rows, cfg, rule(cfg)) == {"train_fb_tokens": 2 * 14, "nograd_tokens": 13 + 2 * 14}
 
 
 def gold_problems(path, solutions=True):

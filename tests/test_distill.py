@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from distill import CrmSums, crm_pass, crm_weights, distill_row, row_crm_weights
+from distill import CrmSums, crm_rows, crm_weights, distill_row, row_crm_weights
+from forward import two_context_logprobs
 from grpo import aggregate, ppo_clip_token_loss, scatter_rows
 from prompts import build_messages
 from rollout import Sample
@@ -89,12 +90,7 @@ def test_soft_and_hard_count_the_same_out_of_band_tokens():
     assert (soft_w <= 1).all() and soft_w[0, 0].item() == pytest.approx(0.1)  # c / low = 0.001 / 0.01
 
 
-class R:  # a training row as crm_pass reads it
-    def __init__(self, prompt, response, tilde=None):
-        self.prompt_ids, self.response_ids, self.tilde_prompt_ids = prompt, response, tilde
-
-
-def test_crm_pass_covers_every_templated_row_in_chunks():
+def test_two_context_pass_and_crm_cover_every_templated_row_in_chunks():
     """A scripted log-prob function: under x every token has log-prob -1, under x~ (prompt starts
     with 99) the k-th token of a row has -1 - k. So c_t = e^k: with the band [0.01, 10], tokens
     k >= 3 (e^3 = 20 > 10) are out of band. Chunks of 2 templated rows: x rows then x~ rows per call."""
@@ -104,16 +100,21 @@ def test_crm_pass_covers_every_templated_row_in_chunks():
         calls.append([p[0] for p in prompts])
         return [torch.tensor([-1.0 - k * (p[0] == 99) for k in range(len(r))]) for p, r in zip(prompts, responses)]
 
-    rows = [R([1], [5] * 5, [99, 1]), R([1], [5] * 2), R([2], [5] * 4, [99, 2]), R([3], [5] * 1, [99, 3])]
-    weights, sums, tilde = crm_pass(rows, old_logprobs, chunk_size=2)
+    firsts, seconds = [[1], [1], [2], [3]], [[99, 1], None, [99, 2], [99, 3]]
+    responses = [[5] * 5, [5] * 2, [5] * 4, [5] * 1]
+    plain, tilde = two_context_logprobs(old_logprobs, firsts, seconds, responses, chunk_size=2)
     assert calls == [[1, 2, 99, 99], [3, 99]]  # the plain row is never forwarded
-    assert weights[1] is None and tilde[1] is None
+    assert plain[1] is None and tilde[1] is None
     assert tilde[0].tolist() == [-1, -2, -3, -4, -5] and tilde[3].tolist() == [-1]  # the x~ forwards, as they came
+    assert plain[2].tolist() == [-1] * 4
+    weights, sums = crm_rows(plain, tilde)
     assert weights[0].tolist() == [1, 1, 1, 0, 0] and weights[2].tolist() == [1, 1, 1, 0] and weights[3].tolist() == [1]
+    assert weights[1] is None
     assert (sums.templated_tokens, sums.out_of_band_tokens, sums.weight_sum) == (10, 3, 7.0)
     assert sums.log_ratio_sum == pytest.approx(sum(range(5)) + sum(range(4)) + 0)
-    assert crm_pass([R([1], [5])], old_logprobs, 2) == ([None], CrmSums(), [None])  # no templated row: no forward
-    assert len(calls) == 2
+    assert two_context_logprobs(old_logprobs, [[1]], [None], [[5]], 2) == ([None], [None])  # no second prompt
+    assert crm_rows([None], [None]) == ([None], CrmSums())
+    assert len(calls) == 2  # ... and no forward
 
 
 def test_rebuilt_row_has_identical_response_ids_and_the_original_prompt(model_path):

@@ -330,17 +330,19 @@ def test_policy_loss_crm_times_tis_by_hand():
     assert loss.item() == pytest.approx((-2 + 4) / 4)
 
 
-def test_policy_loss_kl_is_not_weighted_and_divides_by_the_token_count():
-    """k3 with ref = logp + log 2 is 2 - log 2 - 1 on each of the 5 tokens, whatever the CRM weight
-    and the kept denominator (4 here): + 0.5 x 5 (1 - log 2) / 5."""
+def test_kl_term_is_not_weighted_and_divides_by_the_token_count():
+    """k3 with ref = logp + log 2 is 2 - log 2 - 1 on each of the 5 tokens. train.py's KL term
+    (AuxTerm 'kl') aggregates it unweighted over its own denominator, the 5 tokens, not the CRM's
+    kept mass (4 here): + 0.5 x 5 (1 - log 2) / 5; the policy term is the same with or without it."""
     logp, mask, adv, crm, sampler, sampler_mask = loss_inputs()
     ref = logp.detach() + math.log(2.0)
     kept = step_denominators(5, 2, 3, 2.0, "kept")
-    base, _ = policy_loss(logp, None, adv, mask, kept, crm_weight=crm)
-    loss, sums = policy_loss(logp, None, adv, mask, kept, crm_weight=crm, ref_logp=ref, kl_beta=0.5)
+    kl = k3_kl(logp, ref)
     k3 = 2.0 - math.log(2.0) - 1.0
-    assert (loss - base).item() == pytest.approx(0.5 * k3)
-    assert sums["kl_sum"] == pytest.approx(5 * k3)
+    assert kl[mask].tolist() == pytest.approx([k3] * 5)
+    term = 0.5 * aggregate(kl, mask.double(), "token-mean", kept.tokens, kept.rows)
+    assert term.item() == pytest.approx(0.5 * k3)
+    assert "kl_sum" not in policy_loss(logp, None, adv, mask, kept, crm_weight=crm)[1]
 
 
 def test_policy_loss_clips_before_weighting():

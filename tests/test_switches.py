@@ -8,7 +8,7 @@ import torch
 
 import grpo
 import train
-from test_train import load_tiny, tiny_config, update_config
+from conftest import load_tiny, tiny_config, update_config
 
 
 def hand_micro_batch(tilde_logp, advantage):
@@ -17,7 +17,8 @@ def hand_micro_batch(tilde_logp, advantage):
     return train.MicroBatch(
         input_ids=torch.zeros(1, 3, dtype=torch.long), attention=torch.ones(1, 3), loss_mask=mask,
         advantages=torch.tensor([advantage]), sampler_logp=torch.zeros(1, 2), sampler_mask=torch.zeros(1, 2, dtype=torch.bool),
-        tilde_old=(torch.tensor([[tilde_logp, 0.0]]), torch.tensor([[True, False]])))
+        tilde_old=(torch.tensor([[tilde_logp, 0.0]]), torch.tensor([[True, False]])),
+        rows=[train.Row([0], [0, 0], advantage)])
 
 
 @pytest.mark.parametrize("tilde_p, advantage, dual_clip, loss, grads", [
@@ -30,8 +31,9 @@ def test_fix_importance_ratio_takes_the_old_policy_under_x_tilde(monkeypatch, ti
     logp = torch.tensor([[math.log(0.5), math.log(0.5)]], requires_grad=True)
     monkeypatch.setattr(train, "response_logprobs", lambda *args, **kwargs: (logp, None))
     cfg = train.Config(autocast_bf16=False, dual_clip=dual_clip)
-    out, _ = train.micro_batch_loss(None, hand_micro_batch(math.log(tilde_p), advantage), cfg,
-                                    grpo.Denominators(2, 1, 2), with_entropy=False)
+    part = train.Part([], grpo.Denominators(2, 1, 2), {}, 1)
+    out, _ = train.micro_batch_loss(None, hand_micro_batch(math.log(tilde_p), advantage), cfg, part, [],
+                                    with_entropy=False)
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert logp.grad[0].tolist() == pytest.approx(grads, abs=1e-6)
@@ -45,13 +47,13 @@ def test_the_pre_update_pass_gives_templated_rows_their_x_tilde_log_probs(tiny_m
     Row = train.Row
     rows = [Row([5, 6, 7], [9, 10, 2], 1.0), Row([5, 6, 7], [11, 12, 2], -1.0, tilde_prompt_ids=[30, 31, 5, 6, 7])]
     cfg = update_config(fix_importance_ratio=True, crm=crm)
-    parts, sums = train.prepare_mini_batches(model, None, rows, cfg, 2, n_groups=1)
+    parts, sums = train.prepare_mini_batches(model, None, rows, cfg, pad_id=2, n_groups=1, terms=[])
     with torch.no_grad():
         expected = train.row_logprobs(model, [[30, 31, 5, 6, 7]], [[11, 12, 2]], 2, 1.0)[0]
     assert rows[0].tilde_old_logp is None
     assert torch.allclose(rows[1].tilde_old_logp, expected, atol=1e-5)
     assert (rows[1].crm_weight is not None) == crm and sums["crm_templated_tokens"] == (3 if crm else 0)
-    (batch,), _, _ = parts[0]
+    (batch,) = parts[0].batches
     values, known = batch.tilde_old
     assert int(known.sum()) == 3  # the templated row's three response positions
     assert torch.allclose(values[known], expected, atol=1e-5)
@@ -73,11 +75,11 @@ def test_fix_importance_ratio_with_two_mini_batches_by_hand(tiny_model):
     first = (templated + 1.0 * 2) / 5  # the plain row: rho = 1, -A per token; 3 + 2 tokens
     second = -(0.5 * 3 - 0.5 * 2) / 5
     cfg = update_config(mini_batches=2, fix_importance_ratio=True, crm=False, grad_clip=1e9)
-    update = train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, 2, n_groups=2)
+    update = train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, cfg, pad_id=2, n_groups=2)
     assert update.loss == pytest.approx((first + second) / 2, abs=1e-5)
     assert rho.min().item() < 0.8 or rho.max().item() > 1.2  # the clip is exercised: rho is not 1
     plain = train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows,
-                                update_config(mini_batches=2, crm=False, grad_clip=1e9), 2, n_groups=2)
+                                update_config(mini_batches=2, crm=False, grad_clip=1e9), pad_id=2, n_groups=2)
     assert plain.loss == pytest.approx(((-1.0 * 3 + 1.0 * 2) / 5 + second) / 2, abs=1e-5)  # off: rho = 1 everywhere
 
 
@@ -96,14 +98,16 @@ def test_warmup_factors_by_hand():
 
 
 def test_the_reward_setting_picks_the_rule_for_rollouts(tiny_model, tmp_path, monkeypatch):
-    """--reward=official scores every rollout with verify.REWARDS['official'] (spied on here)."""
+    """--reward=official scores every rollout with verify.CHECKS['official'] (spied on here)."""
+    import verify
+
     calls = []
 
     def spy(text, answer):
         calls.append(answer)
-        return float(len(text) % 2 == 0)
+        return verify.Verdict(float(len(text) % 2 == 0), None, "spy")
 
-    monkeypatch.setitem(train.REWARDS, "official", spy)
+    monkeypatch.setitem(verify.CHECKS, "official", spy)
     cfg = tiny_config(tiny_model, tmp_path, algo="grpo", max_steps=1, save_every=0, reward="official")
     train.train(cfg)
-    assert len(calls) == cfg.prompts_per_step * cfg.group_size
+    assert len(calls) == 1 + cfg.prompts_per_step * cfg.group_size  # + the start-up try on a gold answer

@@ -4,34 +4,15 @@ P²O runs on a tiny random Llama (HF backend, scripted rewards): exact resume, N
 import json
 import math
 import os
-import zlib
 
 import pytest
 import torch
 
 import config
 import train
+from conftest import (MarkingEngine, full_logits_logprobs, load_tiny, p2o_config, parity_reward, read_metrics,
+                      scripted_reflector, small_data, some_rows, templated_reward, tiny_config, update_config)
 from train import Config, PromptStream, parse_overrides
-
-
-def parity_reward(text, problem):
-    """Scripted reward for a random model: mixed within groups, so advantages are non-zero."""
-    return float(len(text) % 2 == 0)
-
-
-def tiny_config(tiny_model, tmp_path, **over):
-    cfg = Config(model=tiny_model, backend="hf", prompts_per_step=3, group_size=4, max_tokens=6,
-                 temperature=1.0, micro_batch_size=5, lr=1e-3, warmup_steps=1, dev_data="",
-                 eval_every=0, save_every=2, max_steps=2, out_dir=str(tmp_path), run_name="t",
-                 autocast_bf16=False, seed=3)
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_overrides_are_type_checked():
@@ -147,60 +128,6 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
 
 
-class MarkingEngine:
-    """HF rollouts on the tiny model whose texts say whether the prompt carried a GEPA template
-    (the scripted templates start with 'Approach'): the tiny model cannot learn arithmetic, so
-    the scripted reward below makes templates help, as P²O hopes real templates do."""
-
-    def __init__(self, path):
-        from rollout import HFRollout
-
-        self.hf = HFRollout(path)
-
-    def generate(self, prompts, **kw):
-        groups = self.hf.generate(prompts, **kw)
-        for p, g in zip(prompts, groups):
-            if "Approach" in p[-1]["content"]:
-                for s in g:
-                    s.text += " [templated]"
-        return groups
-
-    def push_weights(self, state_dict):
-        return self.hf.push_weights(state_dict)
-
-
-def templated_reward(text, problem):
-    """1 for about half of the templated answers, 0 for every plain one."""
-    return float("[templated]" in text and zlib.crc32((problem.id + text).encode()) % 2 == 0)
-
-
-def small_data(tmp_path):
-    path = tmp_path / "six.jsonl"
-    rows = [{"id": f"q{i}", "problem": f"What is {i} + {i + 2} × 3?", "answer": str(i + (i + 2) * 3),
-             "source": "test"} for i in range(6)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def scripted_reflector():
-    n = {"i": 0}
-
-    def reflect(prompts):
-        out = []
-        for p in prompts:
-            assert "the correct answer is" in p  # the records carry the feedback
-            n["i"] += 1
-            out.append((f"Sure. <template>Approach {n['i']}: think it through.</template>", True))
-        return out
-    return reflect
-
-
-def p2o_config(tiny_model, tmp_path, data, **over):
-    settings = dict(algo="p2o", train_data=data, prompts_per_step=3, group_size=4, max_steps=0, epochs=2,
-                    tau=2, gepa_min_hard=1, gepa_budget=30, gepa_parents=3, gepa_minibatch=1, save_every=0)
-    return tiny_config(tiny_model, tmp_path, **{**settings, **over})
-
-
 def test_one_p2o_epoch_end_to_end(tiny_model, tmp_path):
     data = small_data(tmp_path)
     out = train.train(p2o_config(tiny_model, tmp_path, data), engine=MarkingEngine(tiny_model),
@@ -303,24 +230,6 @@ def test_drop_failed_templated_keeps_them_in_the_advantages_only(tiny_model):
 # ----------------------------------------------------------------------------- pieces of one step
 
 
-def load_tiny(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    return model
-
-
-def full_logits_logprobs(model, ids, attention, mask, temperature):
-    """Reference: the whole [B, L, V] logits, log-softmax at T, gathered at the next tokens."""
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].double()  # [B, L-1, V]
-    logp = torch.log_softmax(logits / temperature, -1)
-    lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
-    ent = -(logp.exp() * logp).sum(-1)  # [B, L-1]
-    return lp * mask, ent[mask]
-
-
 def test_response_logprobs_equal_a_full_logits_gather(tiny_model):
     model = load_tiny(tiny_model)
     ids, attention, response = train.grpo.make_batch([[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], pad_id=2)
@@ -333,16 +242,6 @@ def test_response_logprobs_equal_a_full_logits_gather(tiny_model):
     rows = train.row_logprobs(model, [[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], 2, 0.6)
     assert [len(r) for r in rows] == [3, 4]
     assert torch.allclose(rows[1].double(), want[1][mask[1]], atol=1e-5)
-
-
-def update_config(**over):
-    return Config(**{**dict(temperature=1.0, micro_batch_size=2, autocast_bf16=False, lr=1e-2, warmup_steps=1), **over})
-
-
-def some_rows():
-    Row = train.Row
-    return [Row([5, 6, 7], [9, 10, 2], 1.0), Row([8], [11, 12, 13, 2], -1.0),
-            Row([5, 6], [14, 2], 0.5, tilde_prompt_ids=[30, 31, 5, 6]), Row([7, 7], [15, 16], -0.5)]
 
 
 def band_masking_the_largest_ratio(model, row):
@@ -360,7 +259,7 @@ def test_a_non_finite_later_ppo_epoch_leaves_no_trace(tiny_model, monkeypatch):
     model = load_tiny(tiny_model)
     cfg = update_config(ppo_epochs=2)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    assert train.policy_update(model, None, opt, some_rows(), cfg, 2).finite  # non-empty AdamW state
+    assert train.policy_update(model, None, opt, some_rows(), cfg, pad_id=2).finite  # non-empty AdamW state
     before = {k: v.clone() for k, v in model.state_dict().items()}
     moments = [s["exp_avg"].clone() for s in opt.state.values()]
     calls = {"n": 0}
@@ -372,7 +271,7 @@ def test_a_non_finite_later_ppo_epoch_leaves_no_trace(tiny_model, monkeypatch):
         return out * float("nan") if calls["n"] > 2 else out  # 4 rows / micro-batch 2 = 2 calls an epoch
 
     monkeypatch.setattr(train.grpo, "aggregate", nan_in_second_epoch)
-    update = train.policy_update(model, None, opt, some_rows(), cfg, 2)
+    update = train.policy_update(model, None, opt, some_rows(), cfg, pad_id=2)
     assert not update.finite and calls["n"] == 4
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -397,13 +296,13 @@ def test_a_non_finite_call_before_any_optimizer_step_leaves_an_empty_optimizer(t
         return out * float("nan") if calls["n"] > 2 else out
 
     monkeypatch.setattr(train.grpo, "aggregate", nan_in_second_epoch)
-    assert not train.policy_update(model, None, opt, some_rows(), cfg, 2).finite
+    assert not train.policy_update(model, None, opt, some_rows(), cfg, pad_id=2).finite
     monkeypatch.undo()
     assert len(opt.state) == 0
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
-    train.policy_update(model, None, opt, some_rows(), cfg, 2)
-    train.policy_update(fresh, None, fresh_opt, some_rows(), cfg, 2)
+    train.policy_update(model, None, opt, some_rows(), cfg, pad_id=2)
+    train.policy_update(fresh, None, fresh_opt, some_rows(), cfg, pad_id=2)
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
 
@@ -490,7 +389,7 @@ def test_kept_denominator_loss_is_logged_once_per_step_not_compounded(tiny_model
     low, high = band_masking_the_largest_ratio(model, rows[2])
     cfg = update_config(ppo_epochs=2, crm_denominator="kept", crm_low=low, crm_high=high, lr=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    update = train.policy_update(model, None, opt, rows, cfg, 2)
+    update = train.policy_update(model, None, opt, rows, cfg, pad_id=2)
     templated = rows[2]
     plain = train.row_logprobs(model, [templated.prompt_ids], [templated.response_ids], 2, 1.0)[0].detach()
     tilde = train.row_logprobs(model, [templated.tilde_prompt_ids], [templated.response_ids], 2, 1.0)[0].detach()
@@ -514,7 +413,7 @@ def test_kl_term_is_not_weighted_by_the_crm(tiny_model):
     rows = [Row([5, 6], [14, 3, 2], 0.0, tilde_prompt_ids=[30, 31, 5, 6]), Row([8], [11, 12, 2], 0.0)]
     cfg = update_config(kl_beta=0.5)
     cfg.crm_low, cfg.crm_high = band_masking_the_largest_ratio(model, rows[0])
-    update = train.policy_update(model, reference, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, 2)
+    update = train.policy_update(model, reference, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, pad_id=2)
     assert update.sums["crm_out_of_band_tokens"] > 0  # the mask is active on the templated row
     ids, attention, response = train.grpo.make_batch([r.prompt_ids for r in rows], [r.response_ids for r in rows], 2)
     mask = response[:, 1:]
@@ -585,11 +484,11 @@ def test_context_length_covers_the_longest_prompt_template_and_answer(model_path
     problems = [Problem("a", "What is 2 + 2?", "4"), Problem("b", "What is " + " + ".join(["7"] * 30) + "?", "210")]
     longest = len(encode_prompt(tok, problem_messages(problems[1])))
     grpo_cfg = Config(algo="grpo", max_tokens=100, max_template_chars=50)
-    assert train.context_length(grpo_cfg, tok, problems, {}) == longest + 50 + 2 + 100
-    assert train.context_length(Config(max_model_len=777), tok, problems, {}) == 777
+    assert config.context_length(grpo_cfg, tok, problems, {}) == longest + 50 + 2 + 100
+    assert config.context_length(Config(max_model_len=777), tok, problems, {}) == 777
     # P²O: a real reflection prompt with answers cut to reflect_answer_chars must fit with its reply
     cfg = Config(max_tokens=16, max_template_chars=40, reflect_answer_chars=60, reflect_max_tokens=30, gepa_minibatch=2)
-    need = train.context_length(cfg, tok, problems, {})
+    need = config.context_length(cfg, tok, problems, {})
     records = [train.gepa.reflection_record(p, "x9 " * 100, 60) for p in problems]
     meta = [{"role": "user", "content": train.gepa.meta_prompt("t" * 40, records)},
             {"role": "assistant", "content": train.gepa.DELIM_OPEN}]
@@ -607,7 +506,7 @@ def test_truncated_importance_sampling_and_the_logged_mismatch(tiny_model):
     deltas = [torch.tensor([0.0, math.log(1.5), math.log(3.0)]), torch.tensor([-0.5, 0.0, 0.2, 0.0])]
     rows = [Row(p, r, a, sampler_logp=(o - d).tolist()) for p, r, a, o, d in zip(prompts, responses, [1.0, -2.0], old, deltas)]
     cfg = update_config(tis_cap=2.0)
-    update = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, 2)
+    update = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, pad_id=2)
     capped = [d.exp().clamp(max=2.0) for d in deltas]  # [1, 1.5, 2] and [e^-0.5, 1, e^0.2, 1]
     expected = -(1.0 * capped[0].sum() - 2.0 * capped[1].sum()).item() / 7  # rho = 1; token-mean over 7 tokens
     assert update.loss == pytest.approx(expected, abs=1e-4)
@@ -615,7 +514,7 @@ def test_truncated_importance_sampling_and_the_logged_mismatch(tiny_model):
     assert s["mismatch_tokens"] == 7
     assert s["mismatch_abs_sum"] / 7 == pytest.approx(sum(d.abs().sum() for d in deltas).item() / 7, abs=1e-4)
     assert s["mismatch_abs_max"] == pytest.approx(math.log(3.0), abs=1e-4)
-    off = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, update_config(), 2)
+    off = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, update_config(), pad_id=2)
     assert off.loss == pytest.approx(-(1.0 * 3 - 2.0 * 4) / 7, abs=1e-4)  # tis_cap = 0: plain -A, mismatch still logged
     assert off.sums["mismatch_tokens"] == 7
 
@@ -632,7 +531,7 @@ def test_two_mini_batches_take_two_steps_the_second_off_policy(tiny_model):
     cfg = update_config(mini_batches=2, grad_clip=1e9, eps_low=0.01, eps_high=0.01)
     model = load_tiny(tiny_model)
     manual = copy.deepcopy(model)
-    train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.5), rows, cfg, 2)
+    train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=0.5), rows, cfg, pad_id=2)
 
     def logp_of(m, part):
         ids, attention, response = train.grpo.make_batch([r.prompt_ids for r in part], [r.response_ids for r in part], 2)
@@ -750,7 +649,7 @@ def test_policy_update_with_shared_prompts_equals_the_row_layout(tiny_model):
         model, reference = load_tiny(tiny_model), load_tiny(tiny_model).eval()
         cfg = update_config(shared_prompt=shared, micro_batch_size=5, mini_batches=2, kl_beta=0.05,
                             crm_low=0.5, crm_high=2.0)
-        update = train.policy_update(model, reference, torch.optim.SGD(model.parameters(), lr=0.5), shared_rows(), cfg, 2)
+        update = train.policy_update(model, reference, torch.optim.SGD(model.parameters(), lr=0.5), shared_rows(), cfg, pad_id=2)
         out.append((update, {k: v.detach().clone() for k, v in model.state_dict().items()}))
     (u0, p0), (u1, p1) = out
     assert u0.finite and u1.finite and u0.trained_rows == u1.trained_rows == 16
@@ -914,7 +813,7 @@ def test_kept_denominator_counts_the_templated_rows_of_skipped_groups(tiny_model
     w = [((c >= math.log(low)) & (c <= math.log(high))).float() for c in log_c]
     assert 0 < sum(x.sum().item() for x in w[2:]) < 8  # some tokens of the skipped group are masked
     cfg = update_config(crm_denominator="kept", crm_low=low, crm_high=high, lr=0.0)
-    update = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, 2)
+    update = train.policy_update(model, None, torch.optim.AdamW(model.parameters(), lr=0.0), rows, cfg, pad_id=2)
     mass = sum(x.sum().item() for x in w)  # every row is templated: D = sum of all CRM weights
     expected = -(1.0 * w[0].sum().item() - 0.25 * w[1].sum().item()) / mass
     assert abs(expected) > 0.01 and update.trained_rows == 2 and update.loss == pytest.approx(expected, abs=1e-5)

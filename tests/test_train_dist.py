@@ -176,6 +176,27 @@ def test_resuming_at_another_world_size_is_a_clear_error(runs, capsys):
         train.train(cfg, engine=object())
 
 
+def test_reward_shaping_under_torchrun_gives_every_rank_the_same_bonuses_as_one_process(runs):
+    """GRPO + CLIPO + the agreement bonus: the hidden states are forwarded in shares and gathered,
+    so both ranks hold the same features, draw the same positives and step the same head: their
+    bonuses and heads are identical, and equal one process's up to summation order."""
+    tmp, data, tiny = runs["tmp"], runs["data"], runs["tiny"]
+    shaped = dict(algo="grpo", clipo_weight=0.2, clipo_dim=8, agreement_bonus=0.3, agreement_ngram=1, max_steps=4,
+                  eval_every=0, save_every=0, dynamic_sampling=False)
+    one = launch(tmp, "shaped-one", config(tiny, data, tmp / "shaped-one", **shaped), 1)
+    two = launch(tmp, "shaped-two", config(tiny, data, tmp / "shaped-two", gradient_checkpointing=True, **shaped), 2)
+    rank0, rank1, alone = ended(two, 0), ended(two, 1), ended(one)
+    assert rank0["bonuses"] == rank1["bonuses"]
+    assert all(torch.equal(rank0["shapers"][0]["head"][k], rank1["shapers"][0]["head"][k]) for k in rank0["shapers"][0]["head"])
+    shaped_groups = [b for step in alone["bonuses"] for b in step if b is not None]
+    assert shaped_groups and any(any(x != 0 for x in b) for b in shaped_groups)
+    for a, b in zip(alone["bonuses"], rank0["bonuses"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert (x is None) == (y is None) and (x is None or x == pytest.approx(y, abs=1e-5))
+    for a, b in zip(metrics(one), metrics(two), strict=True):
+        assert b.get("shaping_bonus_mean") == pytest.approx(a.get("shaping_bonus_mean"), abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def lora_runs(runs):
     """The same P²O run (KL to adapters off included) with LoRA adapters: alone, under torchrun,

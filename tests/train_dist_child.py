@@ -96,11 +96,19 @@ def main(job_path):
         finally:
             engine.in_gepa = False
     train.end_epoch = marked_end_epoch
+    bonuses, apply_shapers = [], train.apply_shapers
+
+    def recorded_shapers(shapers, groups, features):  # this rank's bonuses per step
+        logs = apply_shapers(shapers, groups, features)
+        bonuses.append([g.bonus for g in groups])
+        return logs
+    train.apply_shapers = recorded_shapers
     out = train.train(cfg, engine=engine, reward_fn=reward, reflector=reflect)
     rank = int(os.environ.get("RANK", "0"))
     torch.save({"state": train.fields_of(out["state"]), "pushes": engine.pushes, "pushed": engine.pushed,
                 "checkpoint": out["checkpoint"],
-                "local_tokens": local_tokens, "gepa_calls": engine.gepa_calls}, os.path.join(job["out"], f"rank-{rank}.pt"))
+                "local_tokens": local_tokens, "gepa_calls": engine.gepa_calls, "bonuses": bonuses,
+                "shapers": [s.state_dict() for s in out["shapers"] if hasattr(s, "state_dict")]}, os.path.join(job["out"], f"rank-{rank}.pt"))
 
 
 if __name__ == "__main__":
