@@ -34,7 +34,7 @@ from collections import defaultdict
 import torch
 
 import dist
-from config import chat_template_kwargs, default_engine_dtype
+from config import chat_template_kwargs, default_engine_dtype, reward_scorer
 from data import DataError, load_jsonl
 from gepa import read_seed_templates
 from model import check_model, resolve_model
@@ -267,7 +267,6 @@ def load_inputs(args):
         print(f"settings of the run that trained {args.model} (flags override): "
               + ", ".join(f"--{k}={v!r}" for k, v in taken.items()))
     chat_kwargs = chat_template_kwargs(args)
-    load_reward(args.reward)  # a spec that does not load: ValueError, one line in main
     check_model(args.model)
     benchmarks = {}
     for name in args.data.split(","):
@@ -275,6 +274,10 @@ def load_inputs(args):
         if skipped:
             print(f"{name}: skipped {skipped} bad rows", file=sys.stderr)
         benchmarks[name] = problems
+    try:  # the reward: it loads, and scores the first problem's gold answer (one line, as train.py)
+        reward_scorer(args, next((ps for ps in benchmarks.values() if ps), []))
+    except SystemExit as e:
+        raise ValueError(str(e)) from None
     template = args.template
     if template.startswith("@"):
         template = read_seed_templates(template[1:], max_chars=10_000)[0]

@@ -40,6 +40,7 @@ import time
 import numpy as np
 import torch
 from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
 
 import dist
 import lora
@@ -206,6 +207,33 @@ def export(run):
     t = time.perf_counter()
     save_export(run.run_dir, run.state.step, run.policy, run.tokenizer, dataclasses.asdict(run.cfg))
     run.seconds["checkpoints"] += time.perf_counter() - t
+
+
+def dev_eval(run):
+    """Greedy and avg@k on a train.Run's dev set (scored by --reward); each rank answers its share and every rank gets the
+    same result. A new best (after step 0) is checkpointed and named `best`."""
+    from eval import answer_records, summarize_records  # lazy: eval.py imports this module
+
+    cfg, state = run.cfg, run.state
+    if not run.dev_set:
+        return {}
+    t = time.perf_counter()
+    mine = answer_records(run.engine, dist.split(run.dev_set, run.rank, run.world), k=cfg.eval_k,
+                          temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
+                          seed=cfg.seed * 100_003 + state.step, prompt_format=cfg.prompt_format,
+                          reward=cfg.reward)  # the seed + rank in the engine
+    overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
+    run.seconds["dev evaluations"] += time.perf_counter() - t
+    if run.is_main:
+        run.log.dev(state.step, overall)
+        tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
+                   (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
+    if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
+        state.best_dev, state.best_step = overall["greedy"], state.step
+        checkpoint(run)
+        if run.is_main:
+            link_checkpoint(run.run_dir, "best", state.step)
+    return overall
 
 
 def load_rank_state(path, rank):
@@ -571,7 +599,6 @@ def step_metrics(state, groups, update, info, lr, cfg):
         "clip_fraction": s["clipped_tokens"] / max(1, step_tokens * cfg.ppo_epochs),
         "entropy": s["entropy_sum"] / s["entropy_tokens"] if s["entropy_tokens"] else float("nan"),  # nothing forwarded: NaN
         **{k: v for k, v in s.items() if k.startswith("loss_")},  # loss_policy and each auxiliary term's share
-        **shaping_metrics(groups),
         "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
         "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
         "dropped_failed_templated": sum(bool(t) and r <= 0 for g in groups for t, r in zip(g.templates, g.rewards))
@@ -596,14 +623,12 @@ GENERATED = ("train_tokens", "gepa_dev_tokens", "gepa_minibatch_tokens", "reflec
 
 
 def shaping_metrics(groups):
-    """What reward shaping did this step (shaping.apply_shapers; {} when no group has a bonus):
+    """What reward shaping did this step (shaping.apply_shapers; logged on every step of a run with shapers):
     shaping_groups: fraction of groups with a non-zero bonus; shaping_bonus_mean: mean bonus over
     every rollout; shaping_order_changed / shaping_order_reversed: fraction of groups in which
     some pair of rollouts compares differently after shaping (a tie broken, or an order made a
     tie or reversed) / in which a strictly ordered pair is reversed. Group normalisation is
     monotone, so these are the changes in the order of the advantages."""
-    if all(g.bonus is None for g in groups):
-        return {}
     changed = reversed_ = shaped = 0
     for g in groups:
         bonus = g.bonus or [0.0] * len(g.rewards)

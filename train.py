@@ -67,7 +67,6 @@ import lora
 import shaping
 from shaping import apply_shapers
 from data import PromptStream
-from eval import answer_records, summarize_records
 from forward import autocast, group_hidden_means, response_logprobs, row_logprobs, two_context_logprobs
 from model import load_models, pad_token_id, resolve_model
 from config import (check_config, chat_template_kwargs, config_help, cpu_precision, cpu_threads,
@@ -77,7 +76,7 @@ from prompts import problem_messages
 from rollout import Sample, encode_prompt, greedy_answers, make_reflector, remote_reflector
 from runs import (RunLog, StopSignal, checkpoint, export, fields_of, forward_tokens, generated_tokens, link_checkpoint,
                   load_rank_state, print_summary, restore_trainer, route_library_logs, start_branch, step_metrics,
-                  time_summary, warmup_factor, loss_note, budget_spent)
+                  time_summary, warmup_factor, loss_note, budget_spent, shaping_metrics, dev_eval)
 
 
 @dataclass
@@ -278,8 +277,16 @@ def aux_terms(cfg):
     on every token of every rollout, never CRM-weighted. A method appends its own here."""
     terms = []
     if cfg.kl_beta > 0:
-        terms.append(AuxTerm("kl", ROLLOUT, cfg.kl_beta, lambda logp, b: grpo.k3_kl(logp, b.ref_logp)))
+        terms.append(AuxTerm("kl", ROLLOUT, cfg.kl_beta, kl_token_loss))
     return terms
+
+
+def kl_token_loss(logp, b):
+    """The KL term's per-token k3 against the frozen reference's log-probs (pre_update_pass)."""
+    if b.ref_logp is None:
+        raise ValueError("kl_beta > 0 needs the frozen reference model: pass policy_update a reference "
+                         "(train.load_models builds it when kl_beta > 0)")
+    return grpo.k3_kl(logp, b.ref_logp)
 
 
 def forwarded(row, terms):
@@ -398,9 +405,11 @@ def rollout_features(run, groups):
     from the pre-update policy under the ORIGINAL prompt x (templated rollouts too, so that a
     group's rollouts are comparable)."""
     cfg = run.cfg
-    x = lambda g: encode_prompt(run.tokenizer, problem_messages(g.problem, fmt=cfg.prompt_format), run.chat_kwargs)  # noqa: E731
+    x = {g.problem.id: encode_prompt(run.tokenizer, problem_messages(g.problem, fmt=cfg.prompt_format), run.chat_kwargs)
+         for g in groups}
+    run.state.counts["nograd_tokens"] += sum(len(x[g.problem.id]) + len(s.response_ids) for g in groups for s in g.samples)
     with autocast(cfg, next(run.policy.parameters()).device):
-        return group_hidden_means(run.policy, groups, x, run.pad_id, cfg.micro_batch_size)
+        return group_hidden_means(run.policy, groups, lambda g: x[g.problem.id], run.pad_id, cfg.micro_batch_size)
 
 
 def make_shapers(cfg, policy):
@@ -809,31 +818,6 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
                seconds=Counter({"start-up": time.perf_counter() - started}), terms=aux_terms(cfg), shapers=shapers)
 
 
-def dev_eval(run):
-    """Greedy and avg@k on the dev set; each rank answers its share and every rank gets the
-    same result. A new best (after step 0) is checkpointed and named `best`."""
-    cfg, state = run.cfg, run.state
-    if not run.dev_set:
-        return {}
-    t = time.perf_counter()
-    mine = answer_records(run.engine, dist.split(run.dev_set, run.rank, run.world), k=cfg.eval_k,
-                          temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, progress=False,
-                          seed=cfg.seed * 100_003 + state.step, prompt_format=cfg.prompt_format,
-                          reward=cfg.reward)  # the seed + rank in the engine
-    overall, _ = summarize_records(dist.unsplit(dist.gather_objects(mine)), cfg.eval_k)
-    run.seconds["dev evaluations"] += time.perf_counter() - t
-    if run.is_main:
-        run.log.dev(state.step, overall)
-        tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
-                   (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
-    if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
-        state.best_dev, state.best_step = overall["greedy"], state.step
-        checkpoint(run)
-        if run.is_main:
-            link_checkpoint(run.run_dir, "best", state.step)
-    return overall
-
-
 def train_step(run):
     """One step: collect groups -> training rows -> policy update -> verified push -> metrics."""
     cfg, state, engine = run.cfg, run.state, run.engine
@@ -841,16 +825,15 @@ def train_step(run):
     generate = functools.partial(gold_groups, run.tokenizer, run.chat_kwargs) if cfg.algo == "sft" else generate_groups
     groups, info = collect_groups(engine, run.stream, state, cfg, run.reward_fn, generate)
     t = time.perf_counter()
-    shaping = apply_shapers(run.shapers, groups, functools.partial(rollout_features, run, groups))
-    info["score"] += time.perf_counter() - t
-    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs) + auxiliary_rows(run, groups)
-    state.counts.update(forward_tokens(rows, cfg, functools.partial(forwarded, terms=run.terms)))
-    t = time.perf_counter()
-    if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push
+    if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push (the shapers' forward too)
         engine.sleep()
+    shaping = apply_shapers(run.shapers, groups, functools.partial(rollout_features, run, groups))
+    shaping = {**shaping, **shaping_metrics(groups)} if run.shapers else {}
+    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs) + auxiliary_rows(run, groups)
     if state.step < cfg.frozen_steps:  # the policy waits (CLIPO: while its head warms up); the lr schedule too
         update = Update(True, float("nan"), 0.0, 0, Counter())
     else:
+        state.counts.update(forward_tokens(rows, cfg, functools.partial(forwarded, terms=run.terms)))
         update = policy_update(run.policy, run.reference, run.optimizer, rows, cfg, pad_id=run.pad_id,
                                n_groups=len(groups), terms=run.terms)
     info["train"] = time.perf_counter() - t
@@ -884,8 +867,8 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     """Run P²O (or GRPO with algo=grpo) with `cfg`; with cfg.resume, from a checkpoint whose
     saved settings apply except those in `given` (default: the fields of cfg that differ from
     Config's; see resume_point). For tests and forks: `engine` (an existing rollout engine
-    holding cfg.model's weights), `reward_fn(text, problem) -> float` (default verify.reward;
-    GEPA scores with the same function), `reflector` (anything with reflect(prompts) ->
+    holding cfg.model's weights), `reward_fn(text, problem) -> float` for the rollouts and GEPA
+    (default: --reward's scorer; the dev set is always scored by --reward), `reflector` (anything with reflect(prompts) ->
     [(text, finished) | None], e.g. a scripted one; default: the one --reflector names).
 
     Under torchrun the same loop runs on N processes: the policy is sharded (FSDP2), each rank

@@ -35,6 +35,7 @@ Two rules, chosen by name (`--reward`; `load_reward` also takes any Python calla
 
 import json
 import math
+import numbers
 import os
 import re
 import select
@@ -386,8 +387,9 @@ def load_reward(spec):
     """--reward -> check_fn(response, problem) -> Verdict, the one scorer of rollouts, dev
     evaluation, GEPA and eval.py. `spec`: 'ours' | 'official' (the rules above, against
     problem.answer), or 'module:function' / 'path/to/file.py:function': a Python callable
-    (response: str, problem: data.Problem) -> float. Mining, GEPA and pass@k count a response as
-    solved when its reward is > 0 (pass@k and maj@k assume 0 or 1, as the built-in rules give);
+    (response: str, problem: data.Problem) -> a number (a bool counts). Mining, GEPA and pass@k
+    count a response as solved when its reward is > 0 (pass@k assumes 0 or 1, as the built-in
+    rules give; maj@k groups the votes by the last box's content, equal under the math rule);
     the Verdict of a callable holds its reward, the last \\boxed{} content as `extracted` (for
     maj@k and the logs) and reason 'custom'. A spec that does not load raises ValueError naming it.
 
@@ -406,7 +408,7 @@ def load_reward(spec):
         except Exception as e:  # noqa: BLE001 -- named, with the problem, then raised on
             raise RuntimeError(f"--reward={spec} raised {type(e).__name__} on problem "
                                f"{getattr(problem, 'id', '?')}: {e}") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):  # bool, int, float, numpy scalars
             raise ValueError(f"--reward={spec} returned {value!r} for problem {getattr(problem, 'id', '?')}; "
                              "it must return a finite number")
         return Verdict(float(value), last_boxed(response)[0], "custom")
@@ -415,10 +417,13 @@ def load_reward(spec):
 
 def load_callable(spec):
     """'module:function' (importable; the repository's root is on the path) or
-    'path/to/file.py:function' -> the callable; ValueError naming the spec otherwise."""
+    'path/to/file.py:function' -> the callable, loaded once a process (a module that loads a judge
+    at import does so once); ValueError naming the spec otherwise."""
     import importlib
     import importlib.util
 
+    if spec in _LOADED:
+        return _LOADED[spec]
     source, _, name = spec.rpartition(":")
     if not source or not name:
         raise ValueError(f"--reward is one of {' | '.join(map(repr, CHECKS))} | module:function | "
@@ -437,4 +442,8 @@ def load_callable(spec):
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"--reward={spec}: {source} has no callable {name!r}")
+    _LOADED[spec] = fn
     return fn
+
+
+_LOADED = {}  # spec -> callable (load_callable)

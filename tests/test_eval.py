@@ -292,3 +292,11 @@ def test_the_engine_dtype_defaults_to_fp32_where_bf16_is_emulated(monkeypatch):
             args = evaluation.parse_args(["--model=m", "--backend=hf", *flag])
             evaluation.make_engine(args, {}, "", {}, 0)
     assert made == ["float32", "bfloat16", "bfloat16", "bfloat16"]  # a given --dtype stays
+
+
+def test_a_reward_that_fails_on_a_gold_answer_is_one_line_before_any_engine(tmp_path, capsys):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"id": "q1", "problem": "What is 1 + 1?", "answer": "2"}) + "\n")
+    (tmp_path / "rewards.py").write_text("def broken(response, problem):\n    return None\n")
+    assert evaluation.main([f"--data={path}", f"--reward={tmp_path / 'rewards.py'}:broken"]) == 2
+    assert "returned None for problem q1" in capsys.readouterr().err

@@ -140,14 +140,18 @@ def test_a_bad_reward_spec_is_one_line_before_anything_loads(tmp_path, spec, mes
 
 
 def test_a_reward_that_raises_or_returns_no_number_stops_at_start_up(tmp_path):
-    module = tmp_path / "bad_rewards.py"
+    module = tmp_path / "some_rewards.py"
     module.write_text("def boom(response, problem):\n    raise KeyError('answer_key')\n\n"
                       "def text(response, problem):\n    return 'yes'\n")
     problems = [Problem("q1", "What?", "1")]
-    with pytest.raises(SystemExit, match=r"bad_rewards.py:boom raised KeyError on problem q1: 'answer_key'"):
+    with pytest.raises(SystemExit, match=r"some_rewards.py:boom raised KeyError on problem q1: 'answer_key'"):
         config.reward_scorer(train.Config(reward=f"{module}:boom"), problems)
     with pytest.raises(SystemExit, match=r"returned 'yes' for problem q1; it must return a finite number"):
         config.reward_scorer(train.Config(reward=f"{module}:text"), problems)
+    module.write_text(module.read_text() + "\nimport numpy\n\ndef flag(response, problem):\n    return 'yes' in response\n\n"
+                      "def score(response, problem):\n    return numpy.float32(0.5)\n")
+    assert config.reward_scorer(train.Config(reward=f"{module}:flag"), problems)("yes", problems[0]).reward == 1.0
+    assert config.reward_scorer(train.Config(reward=f"{module}:score"), problems)("x", problems[0]).reward == 0.5
 
 
 def test_a_pluggable_reward_drives_rollouts_and_evaluation(tiny_model, tmp_path, monkeypatch):
