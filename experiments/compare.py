@@ -606,8 +606,10 @@ def main(argv=None):
     if not args.report_only:
         run_all(out, plans, shared, model, scorer, args.keep_checkpoints)
     results = collect_results(out, plans)
+    given = "".join(f" --{key}={value}" for key, value in (("arms", args.arms), ("seeds", args.seeds)) if value)
+    given += f" --out={args.out}" if args.out != "results/compare" else ""  # the command reproduces this folder
     commands = {task_name: run_command(task_name, [r for arm, rs in results[task_name].items() if arm != "untrained"
-                                                   for r in rs], SHARED, plan.budget)
+                                                   for r in rs], SHARED, plan.budget) + given
                 for task_name, plan in plans.items() if not args.quick}
     # --quick: a tiny random model's seeds need not score alike, so no arm is taken as seed-free there
     write_report(out, results, args.k, commands, args.k_templated,
