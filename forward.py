@@ -90,22 +90,35 @@ def two_context_logprobs(logprobs, firsts, seconds, responses, chunk_size):
     return first, second
 
 
-def response_hidden_mean(model, input_ids, attention, response_mask):
+def response_hidden_mean(model, input_ids, attention, response_mask, position_ids=None, index=None):
     """Each row's pooled final hidden state (the LM head's input, after the last norm), as CLIPO's
     release pools it: the sum of the states at the response's tokens except its last (those its
     engine computed while decoding: the state that predicted the first token is the prompt's,
     the last token is never fed back) divided by the response's length L, i.e. the mean of the
     L - 1 states times (L - 1) / L. input_ids / attention / response_mask [B, L] (grpo.make_batch)
-    -> [B, H] fp32. Bound to the policy like selected_logprobs, so FSDP gathers the root's weights."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
-    fed_back = response_mask & torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # a response token the next one follows
-    summed = (hidden.float() * fed_back.unsqueeze(-1)).sum(1)  # [B, H]
-    return summed / response_mask.sum(1, keepdim=True).clamp(min=1)
+    -> [B, H] fp32; or packed rows (grpo.pack_rows: input_ids, its block ids as `attention`,
+    position_ids and index of the same rows; response_mask still the make_batch one, for the
+    lengths). Bound to the policy like selected_logprobs, so FSDP gathers the root's weights."""
+    lengths = response_mask.sum(1)  # [B]
+    if index is None:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+        fed_back = response_mask & torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # a token the next one follows
+        summed = (hidden.float() * fed_back.unsqueeze(-1)).sum(1)  # [B, H]
+    else:  # index[n] predicts response token n, so it is the position of token n - 1 of the same row
+        mask = grpo.attention_mask_for(attention, model.config._attn_implementation)
+        hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)  # [N]
+        first = torch.ones_like(row, dtype=torch.bool)
+        first[1:] = row[1:] != row[:-1]  # each row's first token: predicted by the prompt's state
+        states = hidden.flatten(0, 1)[index[~first]].float()  # [N - B, H] the states at tokens 0 .. L - 2
+        summed = torch.zeros(len(lengths), hidden.shape[-1], device=hidden.device).index_add_(0, row[~first], states)
+    return summed / lengths.clamp(min=1)[:, None]
 
 
-def hidden_means(model, prompts, responses, pad_id, chunk_size):
+def hidden_means(model, prompts, responses, pad_id, chunk_size, shared=False):
     """response_hidden_mean of every row, `chunk_size` rows a forward, no grad -> [N, H] fp32 on
-    the CPU ([0, H] for no rows). Under torchrun every rank makes as many forwards."""
+    the CPU ([0, H] for no rows); shared: rows with the same prompt forward it once
+    (grpo.pack_rows). Under torchrun every rank makes as many forwards."""
     device = next(model.parameters()).device
     forward = model.response_hidden_mean if hasattr(model, "response_hidden_mean") else functools.partial(
         response_hidden_mean, model)
@@ -116,14 +129,18 @@ def hidden_means(model, prompts, responses, pad_id, chunk_size):
             rows = (prompts[starts[c]:starts[c] + chunk_size], responses[starts[c]:starts[c] + chunk_size]) \
                 if c < len(starts) else ([[pad_id]], [[pad_id]])
             ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(*rows, pad_id))
-            means = forward(ids, attention, response_mask).cpu()
+            if shared:
+                p = grpo.pack_rows(*rows, pad_id).to(device)
+                means = forward(p.input_ids, p.block, response_mask, position_ids=p.position_ids, index=p.index)
+            else:
+                means = forward(ids, attention, response_mask)
             if c < len(starts):
-                out.append(means)
+                out.append(means.cpu())
     hidden = model.config.hidden_size
     return torch.cat(out) if out else torch.zeros(0, hidden)
 
 
-def group_hidden_means(model, groups, prompt_of, pad_id, chunk_size):
+def group_hidden_means(model, groups, prompt_of, pad_id, chunk_size, shared=False):
     """Per group a [K, H] tensor: response_hidden_mean of each of its rollouts (g.samples) under
     the prompt ids prompt_of(g). Each rank forwards its share of the groups (dist.split; FSDP
     lock-step in hidden_means), then every rank holds all of them, in order."""
@@ -132,5 +149,5 @@ def group_hidden_means(model, groups, prompt_of, pad_id, chunk_size):
     for gi in mine:
         prompts += [prompt_of(groups[gi])] * len(groups[gi].samples)
         responses += [s.response_ids for s in groups[gi].samples]
-    hidden = hidden_means(model, prompts, responses, pad_id, chunk_size)  # [N, H]
+    hidden = hidden_means(model, prompts, responses, pad_id, chunk_size, shared)  # [N, H]
     return dist.unsplit(dist.gather_objects(list(torch.split(hidden, [len(groups[gi].samples) for gi in mine]))))

@@ -409,7 +409,8 @@ def rollout_features(run, groups):
          for g in groups}
     run.state.counts["nograd_tokens"] += sum(len(x[g.problem.id]) + len(s.response_ids) for g in groups for s in g.samples)
     with autocast(cfg, next(run.policy.parameters()).device):
-        return group_hidden_means(run.policy, groups, lambda g: x[g.problem.id], run.pad_id, cfg.micro_batch_size)
+        return group_hidden_means(run.policy, groups, lambda g: x[g.problem.id], run.pad_id, cfg.micro_batch_size,
+                                  cfg.shared_prompt)
 
 
 def make_shapers(cfg, policy):
