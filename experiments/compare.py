@@ -606,8 +606,10 @@ def main(argv=None):
     if not args.report_only:
         run_all(out, plans, shared, model, scorer, args.keep_checkpoints)
     results = collect_results(out, plans)
-    given = "".join(f" --{key}={value}" for key, value in (("arms", args.arms), ("seeds", args.seeds)) if value)
-    given += f" --out={args.out}" if args.out != "results/compare" else ""  # the command reproduces this folder
+    given = f" --arms={args.arms}" if args.arms else ""  # what the command was given beyond the defaults
+    given += f" --seeds={args.seeds}" if explicit_seeds and not args.quick else ""
+    folder = repo_relative(out)  # a folder of the repository other than results/compare: named
+    given += f" --out={folder}" if not os.path.isabs(folder) and folder != os.path.join("results", "compare") else ""
     commands = {task_name: run_command(task_name, [r for arm, rs in results[task_name].items() if arm != "untrained"
                                                    for r in rs], SHARED, plan.budget) + given
                 for task_name, plan in plans.items() if not args.quick}
