@@ -143,3 +143,11 @@ def test_gepa_ranks_bench_answers_on_both_ranks_and_keeps_the_archive(tmp_path):
     if r["archives_equal"]:
         assert first["calls"] == alone["calls"] and first["items"] + second["items"] == alone["items"]
     assert "round time 1 process / 2 processes" in proc.stdout
+
+
+def test_gpu_features_runs_on_the_cpu():
+    """bench/gpu_features.py on the CPU (dense packed mask): packed pooled states equal per-row ones."""
+    proc = subprocess.run([sys.executable, "bench/gpu_features.py", "--device=cpu"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "PASS" and "R 64: packed" in proc.stdout
