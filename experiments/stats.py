@@ -17,6 +17,13 @@ Three tools, each for what it can say:
   the signs of the per-seed differences (2^n patterns; the smallest possible p is 2 / 2^n, so
   5 seeds cannot go below 0.0625).
 
+And for the confirmatory study (docs/PREREGISTRATION.md), where arms run on different seeds:
+- welch: the unpaired difference of two arms' per-seed values, Welch's interval and p, its
+  Welch-Satterthwaite degrees of freedom rounded down (conservative: a wider interval).
+- holm: Holm's step-down adjustment of a family of p-values (family-wise error at most alpha).
+- barnard: Barnard's unconditional exact test of two binomial proportions (how many seeds of
+  each arm learnt), two-sided, pooled score statistic, the nuisance parameter maximised.
+
 Why not a bootstrap over the seed differences alone (what the report used before): with 3
 values, every resample is one of 10 multisets, and the 2.5% and 97.5% points are the minimum
 and maximum, so "95%" is [min, max], which covers the mean ~75% of the time.
@@ -93,6 +100,82 @@ def sign_flip_p(diffs):
     signs = np.array(list(itertools.product((1.0, -1.0), repeat=d.size)))  # [2^n, n]
     observed = abs(d.mean())
     return float(np.mean(np.abs(signs @ d / d.size) >= observed - 1e-12))
+
+
+def t_p_two_sided(t, df):
+    """P(|T| >= |t|) for Student's t with integer df >= 1."""
+    return max(0.0, 1.0 - t_cdf_two_sided(t, df))
+
+
+def welch(a, b, level=0.95):
+    """Unpaired mean(a) - mean(b) of two arms' per-seed values (>= 2 each): {"mean", "low", "high",
+    "p", "df"}; df = Welch-Satterthwaite, rounded down (never below 1). Two arms that do not vary
+    at all: p 1 when their means agree, 0 otherwise, the interval the point."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.size < 2 or b.size < 2:
+        raise ValueError(f"Welch's test needs at least 2 values per arm, got {a.size} and {b.size}")
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    mean, se = a.mean() - b.mean(), math.sqrt(va + vb)
+    if se == 0.0:
+        return {"mean": mean, "low": mean, "high": mean, "p": float(mean == 0.0), "df": None}
+    df = max(1, math.floor((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))))
+    half = t_quantile(0.5 + level / 2, df) * se
+    return {"mean": mean, "low": mean - half, "high": mean + half, "p": t_p_two_sided(mean / se, df), "df": df}
+
+
+def holm(pvalues):
+    """Holm-adjusted p-values in the given order: the i-th smallest p times (m - i + 1), made
+    non-decreasing in that order, capped at 1. Reject hypothesis j at family-wise level alpha
+    when its adjusted p <= alpha. None (a test not run) is left None and not counted in m."""
+    given = [(p, j) for j, p in enumerate(pvalues) if p is not None]
+    out, running = [None] * len(pvalues), 0.0
+    for rank, (p, j) in enumerate(sorted(given)):
+        running = max(running, min(1.0, (len(given) - rank) * p))
+        out[j] = running
+    return out
+
+
+def _log_binom(n):
+    """log C(n, x) for x = 0..n."""
+    return np.array([math.lgamma(n + 1) - math.lgamma(x + 1) - math.lgamma(n - x + 1) for x in range(n + 1)])
+
+
+def barnard(x1, n1, x2, n2, grid=1000):
+    """Barnard's exact unconditional test of p1 = p2 from x1 of n1 and x2 of n2 successes
+    -> (statistic, two-sided p). The statistic is the pooled score z = (x1/n1 - x2/n2) /
+    sqrt(p(1 - p)(1/n1 + 1/n2)), p = (x1 + x2)/(n1 + n2) (0 for a table with p 0 or 1); the p-value
+    is max over the common success probability pi of P_pi(|Z| >= |z_observed|), over the tables of
+    two independent binomials. The maximum is found on a grid of pi, then refined by a golden
+    section search around the grid's best point."""
+    if not (0 <= x1 <= n1 and 0 <= x2 <= n2 and n1 > 0 and n2 > 0):
+        raise ValueError(f"Barnard's test needs 0 <= x <= n, n > 0: got {x1}/{n1} and {x2}/{n2}")
+    a, b = np.arange(n1 + 1)[:, None], np.arange(n2 + 1)[None, :]
+    pooled = (a + b) / (n1 + n2)
+    var = pooled * (1 - pooled) * (1 / n1 + 1 / n2)
+    z = np.divide(a / n1 - b / n2, np.sqrt(var), out=np.zeros(var.shape), where=var > 0)
+    observed = z[x1, x2]
+    extreme = np.abs(z) >= abs(observed) - 1e-12  # [n1 + 1, n2 + 1]
+    log_c = _log_binom(n1)[:, None] + _log_binom(n2)[None, :]
+    successes = a + b
+
+    def p_at(pi):
+        if pi <= 0.0 or pi >= 1.0:
+            return float(extreme[0, 0]) if pi <= 0.0 else float(extreme[n1, n2])
+        logp = log_c + successes * math.log(pi) + (n1 + n2 - successes) * math.log1p(-pi)
+        return float(np.exp(logp[extreme]).sum())
+
+    pis = np.linspace(0.0, 1.0, grid + 1)
+    values = [p_at(pi) for pi in pis]
+    best = int(np.argmax(values))
+    lo, hi = pis[max(best - 1, 0)], pis[min(best + 1, grid)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(60):  # golden section on [lo, hi] (p(pi) is smooth there)
+        c, d = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if p_at(c) >= p_at(d):
+            hi = d
+        else:
+            lo = c
+    return float(observed), min(1.0, max(values[best], p_at((lo + hi) / 2)))
 
 
 # ----------------------------------------------------------------------------- coverage

@@ -93,3 +93,83 @@ def test_t_interval_undercovers_when_one_seed_in_five_learns():
     five = stats.simulate_coverage(5, sims=1000, boot=0, **effects)["t"]
     twenty = stats.simulate_coverage(20, sims=1000, boot=0, **effects)["t"]
     assert 0.6 <= five <= 0.8 and 0.9 <= twenty <= 0.97
+
+
+# ----------------------------------------------------------------------------- the confirmatory study's tests
+
+# Barnard's test, two-sided, pooled score statistic: tables (x1 of n1, x2 of n2) and the values R's
+# Barnard package (barnard.test, nuisance resolution 1e-6) gives for them, as published with
+# SciPy's test suite (scipy/stats/tests/test_hypotests.py, TestBarnardExact.test_precise).
+R_BARNARD = [((43, 53, 40, 79), 3.555406779643, 0.000362832367), ((100, 1100, 2, 7), -1.776382925679, 0.135126970878),
+             ((2, 10, 7, 9), -2.518474945157, 0.019210815430), ((5, 15, 1, 11), 1.449486150679, 0.156277546306),
+             ((5, 25, 15, 35), -1.851640199545, 0.066363501421), ((5, 25, 16, 41), -1.609639949352, 0.116984852192),
+             ((10, 20, 5, 6), -1.449486150679, 0.177536588915), ((5, 6, 0, 4), 2.581988897472, 0.013671875000),
+             ((0, 3, 1, 3), -1.095445115010, 0.509667991877), ((0, 6, 2, 6), -1.549193338483, 0.197019618792)]
+
+
+@pytest.mark.parametrize("table, statistic, p", R_BARNARD)
+def test_barnard_matches_published_values(table, statistic, p):
+    z, got = stats.barnard(*table)
+    assert z == pytest.approx(statistic, rel=1e-9)
+    assert got == pytest.approx(p, rel=1e-6)
+
+
+def test_barnard_properties():
+    assert stats.barnard(3, 10, 3, 10)[1] == pytest.approx(1.0)  # equal proportions: nothing is more extreme
+    assert stats.barnard(0, 5, 0, 5) == (0.0, 1.0)
+    # symmetric in the arms; all of one arm against none of the other is the most extreme table
+    assert stats.barnard(4, 12, 0, 10)[1] == pytest.approx(stats.barnard(0, 10, 4, 12)[1])
+    z, p = stats.barnard(6, 6, 0, 6)
+    # only (6, 0) and (0, 6) reach |z|; P = 2 pi^6 (1 - pi)^6, largest at pi = 1/2: 2 / 4^6
+    assert p == pytest.approx(2 / 4 ** 6)
+    # more learners against the same control: never a larger p
+    ps = [stats.barnard(x, 12, 0, 16)[1] for x in range(13)]
+    assert all(b <= a + 1e-12 for a, b in zip(ps, ps[1:]))
+    with pytest.raises(ValueError):
+        stats.barnard(5, 4, 0, 4)
+
+
+def test_holm_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1: 0.02, 0.03, 0.06, 0.04 -> running max 0.06
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == [pytest.approx(v) for v in (0.03, 0.06, 0.06, 0.02)]
+    assert stats.holm([0.5, 0.9]) == [pytest.approx(1.0), pytest.approx(1.0)]  # capped at 1
+    assert stats.holm([0.02, None, 0.04]) == [pytest.approx(0.04), None, pytest.approx(0.04)]  # None not counted
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # never below the raw p, never above Bonferroni
+        p = list(rng.random(4))
+        for raw, adj in zip(p, stats.holm(p)):
+            assert raw - 1e-15 <= adj <= min(1.0, 4 * raw) + 1e-15
+
+
+def test_welch_on_the_textbook_example():
+    # Welch's t-test, the worked example of its Wikipedia article (two samples of 15): t = -2.46,
+    # Welch-Satterthwaite df 24.99, p 0.021; here df is rounded down to 24 (p a little larger)
+    a1 = [27.5, 21.0, 19.0, 23.6, 17.0, 17.9, 16.9, 20.1, 21.9, 22.6, 23.1, 19.6, 19.0, 21.7, 21.4]
+    a2 = [27.1, 22.0, 20.8, 23.4, 23.4, 23.5, 25.8, 22.0, 24.8, 20.2, 21.9, 22.1, 22.9, 20.5, 24.4]
+    w = stats.welch(a1, a2)
+    assert w["df"] == 24 and w["mean"] == pytest.approx(np.mean(a1) - np.mean(a2))
+    se = math.sqrt(np.var(a1, ddof=1) / 15 + np.var(a2, ddof=1) / 15)
+    assert w["mean"] / se == pytest.approx(-2.4554, abs=1e-4)
+    assert 0.021 < w["p"] < 0.0225
+    half = stats.t_quantile(0.975, 24) * se
+    assert (w["low"], w["high"]) == (pytest.approx(w["mean"] - half), pytest.approx(w["mean"] + half))
+
+
+def test_welch_equal_sizes_and_variances_is_the_pooled_t():
+    a, b = [1.0, 2.0, 3.0], [2.0, 3.0, 4.0]  # df = 2n - 2 = 4 exactly, se = sqrt(2/3)
+    w = stats.welch(a, b)
+    assert w["df"] == 4 and w["mean"] == pytest.approx(-1.0)
+    assert w["high"] == pytest.approx(-1.0 + 2.7764451 * math.sqrt(2 / 3), abs=1e-6)
+    assert stats.welch([1.0, 1.0], [1.0, 1.0])["p"] == 1.0 and stats.welch([1.0, 1.0], [2.0, 2.0])["p"] == 0.0
+    with pytest.raises(ValueError):
+        stats.welch([1.0], [1.0, 2.0])
+
+
+def test_welch_coverage_under_unequal_variances():
+    # 6 against 12 values, sd 1 and 3: the 95% interval holds the true difference ~95% of the time
+    rng = np.random.default_rng(3)
+    hits = 0
+    for _ in range(2000):
+        w = stats.welch(rng.normal(0.5, 1.0, 6), rng.normal(0.0, 3.0, 12))
+        hits += w["low"] <= 0.5 <= w["high"]
+    assert 0.935 <= hits / 2000 <= 0.975
