@@ -339,14 +339,19 @@ def generate_groups(engine, problems, assignment, cfg, seed):
     return groups
 
 
+def gold_text(p):
+    """A problem's gold response: its `solution`, ended by the boxed answer the prompt asks for
+    (appended when it has none)."""
+    return p.solution if "\\boxed" in p.solution else f"{p.solution} The answer is \\boxed{{{p.answer}}}."
+
+
 def gold_groups(tokenizer, chat_kwargs, engine, problems, assignment, cfg, seed):
-    """--algo=sft: instead of sampling, each problem's gold `solution` is its one rollout, ended
-    by the boxed answer the prompt asks for (appended when it has none) and EOS."""
+    """--algo=sft: instead of sampling, each problem's gold response (gold_text) and EOS is its one rollout."""
     groups = []
     for p in problems:
         if not p.solution:
             raise SystemExit(f"--algo=sft: training problem {p.id} has no solution")
-        text = p.solution if "\\boxed" in p.solution else f"{p.solution} The answer is \\boxed{{{p.answer}}}."
+        text = gold_text(p)
         response = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         prompt = encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs)
         groups.append(Group(p, [Sample(prompt, response, text, "stop")], [""], []))

@@ -61,7 +61,7 @@ from plot import read_jsonl  # noqa: E402
 from runs import GENERATED, write_atomic  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import BASELINE, read_problems, write_report  # noqa: E402
+from report import BASELINE, futile, read_problems, write_report  # noqa: E402
 
 
 @dataclass
@@ -80,9 +80,17 @@ class Task:
     crm_probe: tuple = ()  # (question, correct templated response): per-token CRM ratios of every run's policy
     seed_free: tuple = ()  # arms whose training does not depend on the seed: two seeds show it (report.py)
     contrasts: tuple = ()  # (arm, other arm) pairs also paired with each other in the report (post hoc)
+    greedy_only: tuple = ()  # sets scored by their greedy answers only (no samples)
+    gold: str = ""  # a set whose gold answers' log-probs are scored at the end of every run (experiments/gold_logprob.py)
+    fact: str = ""  # ... and the log-prob of this string's tokens in each gold answer
+    prereg: str = ""  # the task's pre-registration (a confirmatory study): the report tests it (report.confirm_report)
+    noise: str = ""  # the untrained model's scoring noise (experiments/scoring_noise.py): the learn threshold's base
 
 
 BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
+CONFIRM_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs/PREREGISTRATION.md
+CONFIRM_SEEDS = tuple(range(100, 110))  # new seeds: 0-4 made the hypothesis
+CONFIRM_CONTROL_SEEDS = tuple(range(100, 114))
 FIVE_SEEDS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill", "sft_gold", "p2o_human_crm_low",
               "p2o_human_crm_soft", "p2o_self_official")  # fictional: the arms run on five seeds
 TASKS = {
@@ -104,7 +112,17 @@ TASKS = {
                                  ("rs_distill", "p2o_human_no_crm")),
                       crm_probe=("How many snigs are in 2 plonks?",
                                  "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
+    # the confirmatory study (docs/PREREGISTRATION.md): the fictional task, four arms, new seeds, the
+    # held-out gold answers' log-probs as its primary outcome; not among the default tasks
+    "confirm": Task("fictional-train", "fictional-dev", "fictional-test", "data/fictional/facts.txt", CONFIRM_ARMS,
+                    budget=30_000, heldout="fictional-heldout", templated=True, score_best=False,
+                    seeds={arm: CONFIRM_CONTROL_SEEDS if arm == "grpo_k" else CONFIRM_SEEDS for arm in CONFIRM_ARMS},
+                    greedy_only=("test", "heldout_templated"), gold="heldout", fact="13",
+                    prereg="docs/PREREGISTRATION.md", noise="results/compare/scoring-noise/fictional.json",
+                    crm_probe=("How many snigs are in 2 plonks?",
+                               "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
 }
+DEFAULT_TASKS = ("natural", "fictional")  # what compare.py runs without --tasks
 SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
 ARMS = {  # train.py settings of each arm, on top of the shared ones
     "grpo_k": {"algo": "grpo"},
@@ -259,16 +277,29 @@ def problem_rows(set_name, templated, k, records):
 
 def score_sets(task, test, heldout, rule, k, k_templated):
     """What a checkpoint is scored on: the test split, the held-out split, and the held-out split
-    with the seed template in every prompt (templated tasks)."""
+    with the seed template in every prompt (templated tasks); a set in task.greedy_only without samples."""
     sets = [("test", test, "", k)]
     if heldout:
         sets.append(("heldout", heldout, "", k))
         if task.templated:
             sets.append(("heldout_templated", heldout, rule, k_templated))
-    return sets
+    return [(name, problems, template, 0 if name in task.greedy_only else n) for name, problems, template, n in sets]
 
 
-def untrained_result(run_dir, scorer, model, sets, probe=None):
+def gold_scores(run_dir, checkpoint, task, sets):
+    """The task's gold log-probs (experiments/gold_logprob.py) of a checkpoint on its gold set:
+    per-problem rows to run_dir/gold.jsonl, the summary returned ({} when the task has none)."""
+    if not task.gold:
+        return {}
+    from experiments.gold_logprob import score_checkpoint, summary
+
+    problems = next(problems for name, problems, _, _ in sets if name == task.gold)
+    rows = score_checkpoint(checkpoint, problems, task.fact)
+    write_jsonl_rows(os.path.join(run_dir, "gold.jsonl"), rows)
+    return {task.gold: summary(rows)}
+
+
+def untrained_result(run_dir, scorer, model, sets, probe=None, task=None):
     """The starting model's scores (once per task, in run_dir): the row every arm starts from."""
     path = os.path.join(run_dir, "result.json")
     if not os.path.exists(path):
@@ -280,6 +311,8 @@ def untrained_result(run_dir, scorer, model, sets, probe=None):
         result = {"arm": "untrained", "seed": None, "generated_tokens": 0, "steps": 0, "train_seconds": 0.0,
                   "test": {"final": scores["test"], "best": scores["test"]}, "sets": {"final": scores},
                   "dev": [], "templates_assigned": 0, "leaks": [], "flops": 0.0}
+        if task is not None and task.gold:
+            result["gold"] = gold_scores(run_dir, model, task, sets)
         write_json(path, result)
     return json.load(open(path))
 
@@ -345,6 +378,7 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, sets, answers
     if task.crm_probe:
         write_json(os.path.join(run_dir, "crm_tokens.json"),
                    crm_probe(final, *task.crm_probe, first_template(task.seed_templates)))
+    gold = gold_scores(run_dir, final, task, sets)
     assigned, leaks = leak_audit(run_dir, answers)
     last = metrics[-1] if metrics else {}
     settings = {k: repo_relative(v) for k, v in settings.items()}
@@ -355,7 +389,7 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, sets, answers
               "final_checkpoint": os.path.basename(final), "best_checkpoint": os.path.basename(best),
               "test": test, "sets": scores, "dev": dev, "templates_assigned": assigned, "leaks": leaks,
               "counts": last.get("counts", {}), "flops": flops(last.get("counts", {}), base["params"]),
-              "shaping": shaping_summary(metrics)}
+              "shaping": shaping_summary(metrics)} | ({"gold": gold} if gold else {})
     write_json(os.path.join(run_dir, "result.json"), result)
     return result
 
@@ -476,6 +510,9 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False):
         run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
         if os.path.exists(os.path.join(run_dir, "result.json")):
             continue
+        if plan.task.prereg and futile(arm, [load_run(d) for d in finished_runs(out, task_name, arm)]):
+            print(f"{task_name} / {arm}: stopped by the futility rule (docs/PREREGISTRATION.md)", flush=True)
+            continue
         print(f"{task_name} / {arm} / seed {seed}: training to {plan.budget:,} generated tokens", flush=True)
         settings = arm_settings(arm, plan.task, shared)
         base = bases[task_name] = bases.get(task_name) or untrained_base(out, task_name, model)
@@ -487,6 +524,11 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False):
         scores = "; ".join(f"{name} greedy {v['overall']['greedy']:.3f}" for name, v in r["sets"]["final"].items())
         print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
               f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; {scores}", flush=True)
+
+
+def finished_runs(out, task_name, arm):
+    """The run folders of an arm that have their result.json."""
+    return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(out, task_name, arm, "seed-*", "result.json")))
 
 
 def untrained_base(out, task_name, model):
@@ -529,6 +571,13 @@ def run_command(task_name, runs, shared, budget):
     return f"python experiments/compare.py --tasks={task_name}{extra}"
 
 
+def noise_rate(path):
+    """The untrained model's highest held-out avg@k over its scoring seeds (scoring_noise.py's JSON)."""
+    with open(os.path.join(ROOT, path)) as f:
+        spread = json.load(f)["spread"]["heldout"]
+    return next(v["max"] for key, v in spread.items() if key.startswith("avg@"))
+
+
 def load_run(run_dir):
     """A finished run's result.json, with its per-problem rows ("problems", report.read_problems)
     and CRM probe ("probe") attached where it has them."""
@@ -540,9 +589,30 @@ def load_run(run_dir):
     return result
 
 
+def write_reports(args, out, plans, explicit_seeds):
+    """write_report for the finished runs of every planned task."""
+    results = collect_results(out, plans)
+    given = f" --arms={args.arms}" if args.arms else ""  # what the command was given beyond the defaults
+    given += f" --seeds={args.seeds}" if explicit_seeds and not args.quick else ""
+    folder = repo_relative(out)  # a folder of the repository other than results/compare: named
+    given += f" --out={folder}" if not os.path.isabs(folder) and folder != os.path.join("results", "compare") else ""
+    commands = {task_name: run_command(task_name, [r for arm, rs in results[task_name].items() if arm != "untrained"
+                                                   for r in rs], SHARED, plan.budget) + given
+                for task_name, plan in plans.items() if not args.quick}
+    # --quick: a tiny random model's seeds need not score alike, so no arm is taken as seed-free there
+    write_report(out, results, args.k, commands, args.k_templated,
+                 {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()},
+                 {task_name: sum(arm != BASELINE for arm in plan.arms) for task_name, plan in plans.items()},
+                 {task_name: plan.task.contrasts for task_name, plan in plans.items()},
+                 {task_name: ({arm: plan.task.seeds[arm] for arm in plan.task.arms}, plan.task.prereg,
+                              noise_rate(plan.task.noise))  # the registered plan, whatever --arms and --seeds say
+                  for task_name, plan in plans.items() if plan.task.prereg})
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default=None, help=f"comma-separated: {', '.join(TASKS)} (default: all)")
+    ap.add_argument("--tasks", default=None, help=f"comma-separated: {', '.join(TASKS)} (default: "
+                                                  f"{','.join(DEFAULT_TASKS)})")
     ap.add_argument("--arms", default=None, help=f"comma-separated (default: each task's own list): {', '.join(ARMS)}")
     ap.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2, and each task's own for its arms "
                                                   "run on more)")
@@ -565,12 +635,13 @@ def main(argv=None):
     explicit_seeds = args.seeds is not None
     if args.quick:  # one task, 3 arms x 2 seeds, a short epoch (1 problem per source), 2 test samples
         shared, backend, per_source = QUICK, "hf", 1
-        defaults = {"tasks": "fictional", "arms": "grpo_k,p2o_human,sft_gold", "seeds": "0,1", "k": 2, "k_templated": 2,
-                    "budget": 300}
+        defaults = {"tasks": "fictional", "arms": "" if args.tasks and args.tasks != "fictional" else
+                    "grpo_k,p2o_human,sft_gold", "seeds": "0,1", "k": 2, "k_templated": 2, "budget": 300}
         explicit_seeds = True
     else:
         shared, backend, per_source = SHARED, "vllm", None
-        defaults = {"tasks": ",".join(TASKS), "arms": "", "seeds": "0,1,2", "k": 16, "k_templated": 8, "budget": 0}
+        defaults = {"tasks": ",".join(DEFAULT_TASKS), "arms": "", "seeds": "0,1,2", "k": 16, "k_templated": 8,
+                    "budget": 0}
     for key, value in defaults.items():
         if getattr(args, key) in (None, 0):
             setattr(args, key, value)
@@ -602,22 +673,10 @@ def main(argv=None):
         legacy = os.path.exists(os.path.join(out, task_name, "untrained.json"))  # scored before per-problem rows
         if not args.report_only and not legacy:  # the starting model's scores first (the row every arm starts from)
             untrained_result(os.path.join(out, task_name, "untrained"), scorer, resolve_model(model), sets,
-                             task.crm_probe and (*task.crm_probe, rule))
+                             task.crm_probe and (*task.crm_probe, rule), task)
     if not args.report_only:
         run_all(out, plans, shared, model, scorer, args.keep_checkpoints)
-    results = collect_results(out, plans)
-    given = f" --arms={args.arms}" if args.arms else ""  # what the command was given beyond the defaults
-    given += f" --seeds={args.seeds}" if explicit_seeds and not args.quick else ""
-    folder = repo_relative(out)  # a folder of the repository other than results/compare: named
-    given += f" --out={folder}" if not os.path.isabs(folder) and folder != os.path.join("results", "compare") else ""
-    commands = {task_name: run_command(task_name, [r for arm, rs in results[task_name].items() if arm != "untrained"
-                                                   for r in rs], SHARED, plan.budget) + given
-                for task_name, plan in plans.items() if not args.quick}
-    # --quick: a tiny random model's seeds need not score alike, so no arm is taken as seed-free there
-    write_report(out, results, args.k, commands, args.k_templated,
-                 {} if args.quick else {task_name: plan.task.seed_free for task_name, plan in plans.items()},
-                 {task_name: sum(arm != BASELINE for arm in plan.arms) for task_name, plan in plans.items()},
-                 {task_name: plan.task.contrasts for task_name, plan in plans.items()})
+    write_reports(args, out, plans, explicit_seeds)
     print(f"wrote {out}/report.md")
     return 0
 

@@ -18,7 +18,7 @@ import statistics
 import numpy as np
 
 from plot import read_jsonl  # the repository root is on sys.path (compare.py puts it there)
-from stats import hierarchical_bootstrap, sign_flip_p, t_interval
+from stats import barnard, binomial_tail, gatekeep, hierarchical_bootstrap, holm, sign_flip_p, t_interval, welch
 
 BASELINE = "grpo_k"
 MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds it says nothing useful
@@ -137,18 +137,21 @@ def columns(results, k, k_templated):
     return cols
 
 
-def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", family=None, contrasts=()):
+def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", family=None, contrasts=(),
+                confirmatory=False):
     """Markdown lines for one task: {arm: [result per seed]} (results with "problems" attached);
     seed_free: the arms whose one result is paired with every baseline seed (paired); family: the
     number of arms the task compares with the baseline, finished or not, for the Bonferroni level
     (None: the arms in results), so that the level does not change as runs come in; contrasts:
-    (arm, other) pairs paired with each other on the primary statistic, reported as post hoc."""
+    (arm, other) pairs paired with each other on the primary statistic, reported as post hoc;
+    confirmatory: the task's tests are confirm_report's, these tables describe."""
     cols = columns(results, k, k_templated)
     label = lambda s, m, kk: f"{s} {metric_name(m, kk)}"  # noqa: E731
     seed_free = [arm for arm in seed_free if arm in results]
     for arm in seed_free:
         check_seed_free(arm, results[arm])
-    lines = [f"## {task_name}", ""] + ([f"Runs: `{command}`.", ""] if command else []) + [
+    lines = [f"## {task_name}" + (": every score, described (not the confirmatory tests)" if confirmatory else ""),
+             ""] + ([f"Runs: `{command}`.", ""] if command else []) + [
              "Final checkpoint, mean ± sd over seeds; compute per run (mean)."
              + (f" Seed-free ({', '.join(seed_free)}): training that does not depend on the seed; its seeds "
                 "scored alike (checked), and its one result is paired with every seed of the baseline." if seed_free
@@ -168,7 +171,8 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
     if not base:
         return lines + [""]
     primary = cols[0] if cols else ("test", "greedy", 0)
-    prereg = ", the pre-registered primary statistic (docs/EVIDENCE.md)" if primary[0] == "heldout" else ""
+    prereg = ", the pre-registered primary statistic (docs/EVIDENCE.md)" if primary[0] == "heldout" and \
+        not confirmatory else ""
     others = [(arm, runs) for arm, runs in results.items() if arm not in (BASELINE, "untrained")]
     primaries = [(arm, paired(runs, base, *primary, seed_free=arm in seed_free)) for arm, runs in others]
     primaries = [(arm, s) for arm, s in primaries if s["seeds"]]
@@ -181,12 +185,13 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
                   f"coverage.md), shown from {MIN_SEEDS_FOR_BOOT} seeds with per-problem rows; p: exact two-sided "
                   f"sign-flip, shown from {MIN_SEEDS_FOR_P} seeds, "
                   f"whose smallest possible value is 2/2^seeds ({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):",
-              "", f"| arm | seeds | per-seed differences | mean | t 95% | t, Bonferroni over {family} | bootstrap 95% | p |",
-              "|---|---|---|---|---|---|---|---|"]
+              "", f"| arm | seeds | per-seed differences | mean | t 95% | t, Bonferroni over {family} | bootstrap 95% | "
+                  "unpaired: Welch 95% | p |", "|---|---|---|---|---|---|---|---|---|"]
     for arm, s in primaries:
         family_t = t_interval(s["diffs"], 1 - 0.05 / family)[1:] if s["seeds"] >= 2 else None
         lines.append(paired_row(f"{arm} | {s['seeds']}{' (1 run)' if arm in seed_free else ''}", s,
-                                fmt_interval(s["t"]), fmt_interval(family_t), fmt_interval(s["boot"])))
+                                fmt_interval(s["t"]), fmt_interval(family_t), fmt_interval(s["boot"]),
+                                fmt_interval(unpaired(dict(others)[arm], base, primary))))
     secondary = cols[1:]
     if secondary:
         lines += ["", f"Secondary, paired against {BASELINE}: mean [t 95%]:", "",
@@ -198,6 +203,18 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
                 cells.append("-" if not s["seeds"] else f"{s['mean']:+.3f} {fmt_interval(s['t'])}")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines + contrast_lines(results, contrasts, primary, label(*primary)) + [""]
+
+
+def unpaired(arm_runs, base_runs, column):
+    """Welch's 95% interval (stats.welch) of an arm's scores against the baseline's on one column,
+    ignoring the seed pairing (which removes no variance when the two are uncorrelated over
+    seeds), or None below two scores each."""
+    a = [x for x in (overall(r, *column) for r in arm_runs) if x is not None]
+    b = [x for x in (overall(r, *column) for r in base_runs) if x is not None]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    w = welch(a, b)
+    return w["low"], w["high"]
 
 
 def paired_row(head, s, *intervals):
@@ -310,17 +327,24 @@ def shaping_report(results):
     return lines + [""] if len(lines) > 4 else []
 
 
-def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None, contrasts=None):
+def wall_time(task_name, results):
+    """"<task>: N runs, training X h, test scoring Y h" (the starting model's scoring not counted)."""
+    runs = [r for arm, rs in results.items() if arm != "untrained" for r in rs]
+    unscored = sum("score_seconds" not in r for r in runs)
+    return (f"{task_name}: {len(runs)} runs, training {sum(r['train_seconds'] for r in runs) / 3600:.2f} h, test "
+            f"scoring {sum(r.get('score_seconds', 0.0) for r in runs) / 3600:.2f} h"
+            + (f" ({unscored} runs scored before scoring was timed)" if unscored else ""))
+
+
+def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None, contrasts=None,
+                 confirms=None):
     """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows).
     commands: {task: the command its runs were made with}; seed_free: {task: arms}; families:
-    {task: number of arms compared with the baseline}; contrasts: {task: (arm, other) pairs} (task_report)."""
-    runs = [r for results in all_results.values() for arm, rs in results.items() if arm != "untrained" for r in rs]
-    train_h = sum(r["train_seconds"] for r in runs) / 3600
-    score_h = sum(r.get("score_seconds", 0.0) for r in runs) / 3600
-    unscored = sum("score_seconds" not in r for r in runs)
+    {task: number of arms compared with the baseline}; contrasts: {task: (arm, other) pairs} (task_report);
+    confirms: {task: (planned {arm: seeds}, pre-registration path, untrained noise rate)} (confirm_report)."""
     lines = ["# P²O against its baselines at an equal budget of generated tokens", "",
-             f"Wall time of the {len(runs)} runs in this report, summed: training {train_h:.2f} h, test scoring "
-             f"{score_h:.2f} h" + (f" ({unscored} runs scored before scoring was timed)" if unscored else "") + ".", ""]
+             "Runs and their wall time, summed per task: " + "; ".join(
+                 wall_time(task_name, results) for task_name, results in all_results.items() if results) + ".", ""]
     coverage = coverage_range(os.path.join(out, "coverage.md"))
     lopsided = coverage_range(os.path.join(out, "coverage.md"), "lopsided")
     if coverage:
@@ -331,11 +355,14 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
                   + (f"; when a few seeds learn and the rest do not, it covers only "
                      f"{lopsided[0]:.3f}-{lopsided[1]:.3f} over the same seed counts" if lopsided else "") + ".", ""]
     for task_name, results in all_results.items():
+        confirm = (confirms or {}).get(task_name)
+        if confirm:
+            lines += confirm_report(task_name, results, *confirm)
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
                                  commands.get(task_name, ""), (families or {}).get(task_name),
-                                 (contrasts or {}).get(task_name, ())) + probe_report(results) + shaping_report(results) \
-                + leak_lines(results)
+                                 (contrasts or {}).get(task_name, ()), bool(confirm)) + probe_report(results) \
+                + shaping_report(results) + leak_lines(results)
             png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
             plot_dev(task_name, results, png)
             lines += [f"![dev accuracy against generated tokens]({os.path.basename(png)})", ""]
@@ -345,3 +372,129 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
                  for arm, rs in results.items()} for t, results in all_results.items()}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(plain, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- the confirmatory study
+
+# What docs/PREREGISTRATION.md fixed before the first run; the analysis below reads only these.
+CONTRASTS = (("p2o_human_no_crm", "grpo_k"), ("p2o_human_no_crm", "p2o_human"), ("rs_distill", "grpo_k"))
+OUTCOMES = (  # tested in this order, each a Holm family over CONTRASTS (serial gatekeeping)
+    # (name, how a run's value is read, smallest effect of interest: an interval inside +/- it refutes)
+    ("gold fact-token log-prob", lambda r: r.get("gold", {}).get("heldout", {}).get("fact_logp"), 1.0),
+    ("gold answer mean log-prob", lambda r: r.get("gold", {}).get("heldout", {}).get("logp_mean"), 0.05),
+    ("held-out avg@16", lambda r: overall(r, "heldout", "avg", 16), 0.02),
+)
+ALPHA = 0.05
+LEARN_P = 0.001  # a run learnt when the untrained model would reach its held-out correct count with p <= this
+GEPA_ARMS = ("p2o_human", "p2o_human_no_crm")  # the futility rule's arms
+
+
+def learn_threshold(untrained_rate, samples):
+    """The fewest correct held-out samples (of `samples`) that the untrained model, correct at rate
+    untrained_rate, reaches with probability <= LEARN_P (stats.binomial_tail)."""
+    c = 0
+    while binomial_tail(c, samples, untrained_rate) > LEARN_P:
+        c += 1
+    return c
+
+
+def held_out_correct(run):
+    """(correct samples, samples) of a run on the held-out set, from its per-problem rows."""
+    rows = run.get("problems", {}).get(("final", "heldout"), {})
+    return sum(r["correct"] for r in rows.values()), sum(r["k"] for r in rows.values())
+
+
+def futile(arm, runs):
+    """The futility rule: a GEPA arm whose first two runs (by seed) kept no template is stopped."""
+    first = sorted(runs, key=lambda r: r["seed"])[:2]
+    return arm in GEPA_ARMS and len(first) == 2 and all(r["templates_assigned"] == 0 for r in first)
+
+
+def verdict(test, adjusted, delta, sign, complete):
+    """confirmed / refuted / undecided / not tested (the pre-registration's rules)."""
+    if adjusted is None:
+        return "not tested (an earlier outcome was not confirmed in full)" if complete else "undecided (interim)"
+    if not complete:
+        return "undecided (interim)"
+    if adjusted <= ALPHA:
+        return "**confirmed**" if test["mean"] * sign > 0 else "**refuted** (the opposite sign)"
+    if -delta < test["low"] and test["high"] < delta:
+        return f"**refuted** (the interval lies within ±{delta:g})"
+    return "undecided"
+
+
+def confirm_report(task_name, results, planned, prereg, noise_rate):
+    """The confirmatory analysis of a task with a pre-registration: {arm: [runs]} against the
+    planned {arm: seeds}; noise_rate: the untrained model's highest held-out avg@16 over scoring
+    seeds (the learn threshold's base). Markdown lines."""
+    done = {arm: len(results.get(arm, [])) for arm in planned}
+    stopped = [arm for arm in planned if futile(arm, results.get(arm, []))]
+    complete = all(done[arm] >= len(seeds) or arm in stopped for arm, seeds in planned.items())
+    lines = [f"## {task_name}: the confirmatory study", "",
+             f"Pre-registration: [{prereg}](../../{prereg}), committed before the first run (its git history shows "
+             "when). Runs finished: " + ", ".join(f"{arm} {done[arm]} of {len(s)}" for arm, s in planned.items())
+             + (". **Complete**: the verdicts below are the study's." if complete else
+                ". **Interim**: until every planned run is in, no verdict is drawn (every one reads undecided)."), ""]
+    if stopped:
+        lines += [f"Stopped by the futility rule (their first two runs kept no template; reported as GRPO (K)): "
+                  f"{', '.join(stopped)}.", ""]
+    lines += ["Primary analysis: each outcome a family of the three contrasts, Welch's unpaired test (df rounded "
+              "down), Holm within the family at 0.05, the families in order (serial gatekeeping: the next only when "
+              "all three of this one are confirmed). Paired: the t-interval over the seeds both arms ran.", "",
+              "| outcome | contrast (predicted > 0) | runs | means | difference | Welch 95% | p | adjusted p | "
+              "paired 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    families, rows = [], []
+    for name, value, delta in OUTCOMES:
+        ps = []
+        for a, b in CONTRASTS:
+            if a in stopped or b in stopped:
+                ps.append(None)
+                rows.append((name, a, b, None, None, delta))
+                continue
+            va = {r["seed"]: value(r) for r in results.get(a, []) if value(r) is not None}
+            vb = {r["seed"]: value(r) for r in results.get(b, []) if value(r) is not None}
+            test = welch(list(va.values()), list(vb.values())) if len(va) >= 2 and len(vb) >= 2 else None
+            common = sorted(va.keys() & vb.keys())
+            pair = t_interval([va[s] - vb[s] for s in common])[1:] if len(common) >= 2 else None
+            ps.append(test["p"] if test else None)
+            rows.append((name, a, b, test, (va, vb, pair), delta))
+        families.append(ps)
+    adjusted = [p for family in gatekeep(families, ALPHA) for p in family]
+    for (name, a, b, test, data, delta), adj in zip(rows, adjusted):
+        if test is None:
+            lines.append(f"| {name} | {a} - {b} | - | - | - | - | - | - | - | "
+                         + ("stopped (futility)" if a in stopped or b in stopped else "undecided (too few runs)") + " |")
+            continue
+        va, vb, pair = data
+        lines.append(f"| {name} | {a} - {b} | {len(va)} : {len(vb)} | {statistics.mean(va.values()):+.3f} : "
+                     f"{statistics.mean(vb.values()):+.3f} | {test['mean']:+.3f} | "
+                     f"{fmt_interval((test['low'], test['high']))} | {test['p']:.2g} | "
+                     + ("-" if adj is None else f"{adj:.2g}") + f" | {fmt_interval(pair)} | "
+                     + verdict(test, adj, delta, +1, complete) + " |")
+    return lines + [""] + learn_lines(results, planned, noise_rate, stopped)
+
+
+def learn_lines(results, planned, noise_rate, stopped):
+    """The learn-rate secondary: runs whose held-out correct count the untrained model would reach
+    with p <= LEARN_P, per arm, and Barnard's test per contrast (Holm over the three)."""
+    counts = {}
+    for arm in planned:
+        got = [held_out_correct(r) for r in results.get(arm, [])]
+        got = [(c, n) for c, n in got if n]
+        if got:
+            threshold = learn_threshold(noise_rate, got[0][1])
+            counts[arm] = (sum(c >= threshold for c, _ in got), len(got), threshold, got[0][1])
+    if not counts:
+        return []
+    lines = ["Secondary, the learn rate: a run learnt the held-out rule when its held-out correct samples reach a "
+             f"count the untrained model (rate {noise_rate:.4f}, its highest over scoring seeds) reaches with "
+             f"p <= {LEARN_P}; Barnard's exact test (two-sided, pooled), Holm over the contrasts:", "",
+             "| arm | learnt | threshold |", "|---|---|---|"]
+    lines += [f"| {arm} | {x} of {n} | {c} of {m} samples |" for arm, (x, n, c, m) in counts.items()]
+    tests = [(a, b, barnard(counts[a][0], counts[a][1], counts[b][0], counts[b][1]))
+             for a, b in CONTRASTS if a in counts and b in counts and a not in stopped and b not in stopped]
+    adjusted = holm([p for _, _, (_, p) in tests])
+    lines += ["", "| contrast | learnt | Barnard p | Holm-adjusted p |", "|---|---|---|---|"]
+    lines += [f"| {a} - {b} | {counts[a][0]}/{counts[a][1]} vs {counts[b][0]}/{counts[b][1]} | {p:.3g} | {adj:.3g} |"
+              for (a, b, (_, p)), adj in zip(tests, adjusted)]
+    return lines + [""]

@@ -21,6 +21,8 @@ And for the confirmatory study (docs/PREREGISTRATION.md), where arms run on diff
 - welch: the unpaired difference of two arms' per-seed values, Welch's interval and p, its
   Welch-Satterthwaite degrees of freedom rounded down (conservative: a wider interval).
 - holm: Holm's step-down adjustment of a family of p-values (family-wise error at most alpha).
+- gatekeep: families of hypotheses tested in a fixed order, Holm within each, a family only
+  when all before it were rejected (serial gatekeeping; family-wise error at most alpha).
 - barnard: Barnard's unconditional exact test of two binomial proportions (how many seeds of
   each arm learnt), two-sided, pooled score statistic, the nuisance parameter maximised.
 
@@ -133,6 +135,24 @@ def holm(pvalues):
         running = max(running, min(1.0, (len(given) - rank) * p))
         out[j] = running
     return out
+
+
+def gatekeep(families, alpha=0.05):
+    """Serial gatekeeping: families of p-values tested in order, each with Holm at alpha, a family
+    only when every hypothesis of the families before it was rejected (family-wise error over
+    all of them at most alpha). -> one list per family: the Holm-adjusted p-values of a family
+    tested, None for each hypothesis of a family not reached (and for a None p)."""
+    out, gate_open = [], True
+    for ps in families:
+        adjusted = holm(ps) if gate_open else [None] * len(ps)
+        out.append(adjusted)
+        gate_open = gate_open and all(a is not None and a <= alpha for a in adjusted)
+    return out
+
+
+def binomial_tail(c, n, p):
+    """P(X >= c) for X ~ Binomial(n, p)."""
+    return sum(math.comb(n, x) * p ** x * (1 - p) ** (n - x) for x in range(max(c, 0), n + 1))
 
 
 def _log_binom(n):

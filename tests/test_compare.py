@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import compare  # noqa: E402
 import report  # noqa: E402
+import stats  # noqa: E402
 
 
 def test_arm_settings_are_train_py_settings_over_the_shared_ones():
@@ -79,8 +80,10 @@ def test_report_pairs_seeds_and_states_the_leaks():
     assert "| grpo_k | 2 | 3.0 | 100 | 2,000 | 1.0 | 0.150 ± 0.071 | 0.300 ± 0.141 | 0.300 ± 0.141 |" in text
     # paired by seed: avg@2 differences 0.15 - 0.1 = +0.05 (seed 0), 0.35 - 0.2 = +0.15 (seed 1); mean +0.1,
     # t(1 df) 12.706 x sd 0.0707 / sqrt 2 = 0.635 -> [-0.535, +0.735]; no per-problem rows: no bootstrap; 2 seeds: no p
-    # one arm against the baseline: the Bonferroni interval is the plain one
-    assert "| p2o_human | 2 | +0.050, +0.150 | +0.100 | [-0.535, +0.735] | [-0.535, +0.735] | - | - |" in text
+    # one arm against the baseline: the Bonferroni interval is the plain one. Unpaired (Welch): arm 0.15, 0.35
+    # (variance 0.02), baseline 0.1, 0.2 (0.005): se sqrt(0.01 + 0.0025) = 0.1118, df 1.47 -> 1: 0.1 -/+ 1.4206
+    assert "| p2o_human | 2 | +0.050, +0.150 | +0.100 | [-0.535, +0.735] | [-0.535, +0.735] | - | [-1.321, +1.521] | - |" \
+        in text
     assert "**1 leaks**" in text and "p2o_human seed 0: q: 'it is 5'" in text
 
 
@@ -102,7 +105,9 @@ def test_bonferroni_interval_widens_with_the_number_of_arms():
     text = "\n".join(report.task_report("t", results, k=2))
     assert "t, Bonferroni over 2 |" in text
     # plain 95%: t(2 df, 0.975) 4.3027 x 0.0577 = 0.2484
-    assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.158, +0.558] | - | - |" in text
+    # unpaired: the baseline does not vary, so Welch is the one-sample interval (df 2): the plain one
+    assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.158, +0.558] | - | [-0.048, +0.448] | - |" \
+        in text
 
 
 def test_bonferroni_family_counts_arms_not_yet_run():
@@ -114,7 +119,8 @@ def test_bonferroni_family_counts_arms_not_yet_run():
                "b": [fake("b", s, g) for s, g in enumerate((0.4, 0.4, 0.6))]}
     text = "\n".join(report.task_report("t", results, k=2, family=3))
     assert "t, Bonferroni over 3 |" in text
-    assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.242, +0.642] | - | - |" in text
+    assert "| a | 3 | +0.100, +0.200, +0.300 | +0.200 | [-0.048, +0.448] | [-0.242, +0.642] | - | [-0.048, +0.448] | - |" \
+        in text
 
 
 def test_contrasts_pair_two_arms_seed_by_seed():
@@ -341,3 +347,112 @@ def test_scorer_rows_by_hand(monkeypatch):
     assert scores["heldout"]["overall"]["avg@4"] == pytest.approx(6 / 12)
     assert scores["heldout"]["overall"]["greedy"] == pytest.approx(2 / 3)
     assert scores["heldout_templated"]["overall"]["avg@4"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- the confirmatory analysis
+
+def confirm_run(arm, seed, fact, whole, avg, correct=0, templates=5):
+    """A finished run of the confirm task as the report reads it (gold log-probs, held-out avg@16,
+    per-problem held-out rows: `correct` correct samples of 40 x 16)."""
+    rows = {f"p{i}": {"greedy": 0, "correct": correct if i == 0 else 0, "k": 16} for i in range(40)}
+    return {"arm": arm, "seed": seed, "gold": {"heldout": {"fact_logp": fact, "logp_mean": whole}},
+            "sets": {"final": {"heldout": {"overall": {"avg@16": avg}}}}, "problems": {("final", "heldout"): rows},
+            "templates_assigned": templates, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
+
+
+PLANNED = {"grpo_k": range(4), "p2o_human": range(3), "p2o_human_no_crm": range(3), "rs_distill": range(3)}
+
+
+def study(fact, whole, avg, runs=None, templates=None):
+    """{arm: runs} with per-arm lists of values by seed."""
+    return {arm: [confirm_run(arm, s, fact[arm][i], whole[arm][i], avg[arm][i],
+                              templates=(templates or {}).get(arm, 5)) for i, s in enumerate(PLANNED[arm])
+                  if i < (runs or {}).get(arm, len(PLANNED[arm]))] for arm in PLANNED}
+
+
+FACT = {"grpo_k": [-7.0, -8.0, -9.0, -8.0], "p2o_human": [-14.0, -15.0, -16.0], "p2o_human_no_crm": [-1.0, -2.0, -3.0],
+        "rs_distill": [-2.0, -2.5, -3.0]}
+WHOLE = {"grpo_k": [-1.20, -1.21, -1.19, -1.20], "p2o_human": [-1.7, -1.6, -1.8],
+         "p2o_human_no_crm": [-1.10, -1.30, -1.15], "rs_distill": [-1.0, -1.1, -1.2]}
+AVG = {"grpo_k": [0.01, 0.0, 0.01, 0.0], "p2o_human": [0.0, 0.0, 0.0], "p2o_human_no_crm": [0.1, 0.0, 0.0],
+       "rs_distill": [0.02, 0.0, 0.01]}
+
+
+def test_confirm_report_gatekeeps_the_families_and_draws_verdicts_only_when_complete():
+    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, "docs/PREREGISTRATION.md",
+                                           0.0046875))
+    assert "**Complete**" in text
+    # fact tokens: no CRM -2 vs GRPO (K) -8 -> +6; Welch variances 1/3 and (2/3)/4 = 1/6, se sqrt(1/2),
+    # df (1/2)^2 / ((1/3)^2/2 + (1/6)^2/3) = 3.86 -> 3: t 3.1824 x 0.7071 = 2.250
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| gold fact-token")}
+    c1 = rows["p2o_human_no_crm - grpo_k"]
+    assert "| 3 : 4 | -2.000 : -8.000 | +6.000 | [+3.750, +8.250] |" in c1
+    assert all(line.endswith("**confirmed** |") for line in rows.values())
+    # the whole answer: C2 (+0.483 over the masked arm) is confirmed, C1 is not -> the avg@16 family is shut
+    whole = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| gold answer mean")}
+    assert whole["p2o_human_no_crm - p2o_human"].endswith("**confirmed** |")
+    assert whole["p2o_human_no_crm - grpo_k"].endswith("| undecided |")
+    avg = [line for line in text.splitlines() if line.startswith("| held-out avg@16 |")]
+    assert len(avg) == 3 and all(line.endswith("not tested (an earlier outcome was not confirmed in full) |")
+                                 for line in avg)
+    # the learn rate: 11 of 640 at the untrained rate 0.0047; no run here has a correct held-out sample
+    assert "| grpo_k | 0 of 4 | 11 of 640 samples |" in text and "Barnard p" in text
+
+
+def test_confirm_report_is_interim_until_every_planned_run_is_in():
+    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG, runs={"rs_distill": 2}), PLANNED,
+                                           "docs/PREREGISTRATION.md", 0.0046875))
+    assert "**Interim**" in text and "rs_distill 2 of 3" in text
+    verdicts = [line.rsplit(" | ", 2)[-1] for line in text.splitlines() if line.startswith("| gold ")]
+    assert verdicts and all(v == "undecided (interim) |" for v in verdicts)
+    assert "**confirmed**" not in text and "**refuted**" not in text
+
+
+def test_an_interval_inside_the_smallest_effect_refutes_and_the_opposite_sign_refutes():
+    flat = {arm: [-8.0 + 0.01 * i for i in range(len(PLANNED[arm]))] for arm in PLANNED}
+    flat["p2o_human"] = [-1.0, -1.1, -0.9]  # the masked arm far above: C2 significant with the opposite sign
+    text = "\n".join(report.confirm_report("confirm", study(flat, WHOLE, AVG), PLANNED, "docs/PREREGISTRATION.md",
+                                           0.0046875))
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| gold fact-token")}
+    assert rows["p2o_human_no_crm - grpo_k"].endswith("**refuted** (the interval lies within ±1) |")
+    assert rows["p2o_human_no_crm - p2o_human"].endswith("**refuted** (the opposite sign) |")
+
+
+def test_the_futility_rule_stops_a_gepa_arm_whose_first_two_runs_kept_no_template():
+    runs = study(FACT, WHOLE, AVG, runs={"p2o_human": 2}, templates={"p2o_human": 0})
+    assert report.futile("p2o_human", runs["p2o_human"]) and not report.futile("grpo_k", runs["grpo_k"])
+    assert not report.futile("p2o_human", runs["p2o_human"][:1])  # one run decides nothing
+    text = "\n".join(report.confirm_report("confirm", runs, PLANNED, "docs/PREREGISTRATION.md", 0.0046875))
+    assert "Stopped by the futility rule" in text and "**Complete**" in text  # the stopped arm counts as done
+    assert "| gold fact-token log-prob | p2o_human_no_crm - p2o_human | - |" in text and "stopped (futility)" in text
+    # the other two contrasts form the family (Holm over 2)
+    rows = [line for line in text.splitlines() if line.startswith("| gold fact-token") and "futility" not in line]
+    assert len(rows) == 2 and all(line.endswith("**confirmed** |") for line in rows)
+
+
+def test_learn_counts_and_barnard_per_contrast():
+    runs = study(FACT, WHOLE, AVG)
+    for r in runs["p2o_human_no_crm"]:
+        r["problems"][("final", "heldout")]["p0"]["correct"] = 11  # all three learnt (11 >= the threshold)
+    runs["grpo_k"][0]["problems"][("final", "heldout")]["p0"]["correct"] = 10  # one short of it
+    text = "\n".join(report.learn_lines(runs, PLANNED, 0.0046875, []))
+    assert "| p2o_human_no_crm | 3 of 3 |" in text and "| grpo_k | 0 of 4 |" in text
+    p = stats.barnard(3, 3, 0, 4)[1]
+    assert f"| p2o_human_no_crm - grpo_k | 3/3 vs 0/4 | {p:.3g} |" in text
+
+
+def test_quick_confirm_task_scores_gold_logprobs_and_greedy_only_sets(tmp_path):
+    out = tmp_path / "confirm"
+    assert compare.main(["--quick", "--tasks=confirm", "--arms=grpo_k,rs_distill", "--seeds=0", f"--out={out}"]) == 0
+    for run_dir in (out / "confirm" / "untrained", out / "confirm" / "rs_distill" / "seed-0"):
+        result = json.loads((run_dir / "result.json").read_text())
+        rows = [json.loads(line) for line in (run_dir / "gold.jsonl").read_text().splitlines()]
+        assert len(rows) == 40 and all(r["fact_logp"] is not None and r["tokens"] > 0 for r in rows)
+        assert result["gold"]["heldout"]["logp_mean"] == pytest.approx(statistics.mean(r["logp_mean"] for r in rows))
+        sets = result["sets"]["final"]
+        assert not any(key.startswith("avg@") for key in sets["test"]["overall"])  # greedy only
+        assert not any(key.startswith("avg@") for key in sets["heldout_templated"]["overall"])
+        assert "avg@2" in sets["heldout"]["overall"]  # the co-primary keeps its samples
+    text = (out / "report.md").read_text()
+    assert "## confirm: the confirmatory study" in text and "docs/PREREGISTRATION.md" in text
+    assert "**Interim**" in text  # one seed of each of two arms: far from the plan

@@ -173,3 +173,27 @@ def test_welch_coverage_under_unequal_variances():
         w = stats.welch(rng.normal(0.5, 1.0, 6), rng.normal(0.0, 3.0, 12))
         hits += w["low"] <= 0.5 <= w["high"]
     assert 0.935 <= hits / 2000 <= 0.975
+
+
+def test_gatekeeping_opens_a_family_only_after_all_before_it_are_rejected():
+    assert stats.gatekeep([[0.01, 0.02], [0.03, 0.5]]) == [[pytest.approx(0.02), pytest.approx(0.02)],
+                                                         [pytest.approx(0.06), pytest.approx(0.5)]]
+    assert stats.gatekeep([[0.01, 0.2], [0.001, 0.001]]) == [[pytest.approx(0.02), pytest.approx(0.2)], [None, None]]
+    assert stats.gatekeep([[0.01], [0.04], [0.001]], alpha=0.03) == [[pytest.approx(0.01)], [pytest.approx(0.04)],
+                                                                     [None]]
+
+
+def test_gatekeeping_controls_the_family_wise_error():
+    # every null true, p uniform and independent: some rejection in at most ~5% of studies
+    rng = np.random.default_rng(4)
+    errors = sum(any(a is not None and a <= 0.05 for fam in stats.gatekeep([list(rng.random(3)) for _ in range(3)])
+                     for a in fam) for _ in range(4000))
+    assert errors / 4000 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 4000)
+
+
+def test_binomial_tail_by_hand():
+    assert stats.binomial_tail(0, 5, 0.3) == pytest.approx(1.0)
+    assert stats.binomial_tail(5, 5, 0.5) == pytest.approx(1 / 32)
+    assert stats.binomial_tail(2, 3, 0.5) == pytest.approx(0.5)  # 3 + 1 of 8
+    assert stats.binomial_tail(11, 640, 3 / 640) == pytest.approx(1 - sum(
+        math.comb(640, x) * (3 / 640) ** x * (637 / 640) ** (640 - x) for x in range(11)))
