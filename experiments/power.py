@@ -1,0 +1,142 @@
+"""Power of the confirmatory study (docs/PREREGISTRATION.md), simulated from the committed
+five-seed runs of the exploratory comparison (results/compare/fictional).
+
+    python experiments/power.py      # -> results/confirm/power.md (and the table printed)
+
+Each simulated study draws every arm's per-seed outcomes from that arm's five committed seeds:
+a smoothed bootstrap (a committed seed, chosen uniformly, plus normal noise of sd = bandwidth x
+the arm's sd over its five seeds). It keeps what five seeds showed: a mixture of seeds that stay
+at the floor and seeds that learn, in the proportion observed, each with the noise seen between
+seeds; a simulated seed takes all its outcomes from the same committed seed. Each study then
+tests the three pre-registered contrasts on every outcome with Welch's test (experiments/
+stats.py), the outcomes in the pre-registered order with serial gatekeeping (Holm over the
+three contrasts of an outcome at 0.05; the next outcome only when all three are confirmed);
+the power of a contrast is the fraction of studies whose adjusted p is <= 0.05 with the
+predicted sign. Also given: the same at half
+the observed differences (each arm's draws shrunk halfway to the control's mean), the guard
+against an exploratory effect that was partly luck.
+
+The outcomes simulated:
+- primary (gold log-prob): the committed runs have no such score (their checkpoints are gone),
+  so it is stood in for by the closest committed measure, the CRM probe's per-token mean log-prob
+  of one gold-form answer under the plain prompt (results/compare/fictional/<arm>/seed-*/
+  crm_tokens.json: the same statistic on one problem, at T = 0.6), and, as a second stand-in, its
+  fact token (the 3 of 13) alone;
+- co-primary: held-out avg@16, the committed score itself.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stats import gatekeep, welch  # noqa: E402
+
+CONTROL = "grpo_k"
+CONTRASTS = (("p2o_human_no_crm", "grpo_k"), ("p2o_human_no_crm", "p2o_human"), ("rs_distill", "grpo_k"))
+PREDICTED = (+1, +1, +1)  # the sign each contrast predicts: unmasked distillation learns more
+FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested in this order (stats.gatekeep)
+    "as pre-registered: the fact tokens' log-prob, then the whole answer's, then held-out avg@16 (serial gatekeeping)":
+        ("probe fact-token log p", "probe response mean log p", "held-out avg@16"),
+    "for comparison, Holm over the three contrasts of one outcome alone":
+        ("probe response mean log p",),
+    "(the same, held-out avg@16 alone)": ("held-out avg@16",),
+}
+FACT_INDEX = 10  # the probe response's fact token: the "3" of "13" (experiments/report.py fact_token)
+
+
+def committed(root="results/compare/fictional"):
+    """{outcome: {arm: [per-seed value]}} of the arms the contrasts use, from the committed runs."""
+    arms = sorted({a for pair in CONTRASTS for a in pair})
+    out = {"probe response mean log p": {}, "probe fact-token log p": {}, "held-out avg@16": {}}
+    for arm in arms:
+        for d in sorted(glob.glob(os.path.join(root, arm, "seed-*"))):
+            result = json.load(open(os.path.join(d, "result.json")))
+            probe = json.load(open(os.path.join(d, "crm_tokens.json")))
+            out["probe response mean log p"].setdefault(arm, []).append(np.mean([t["logp_plain"] for t in probe]))
+            out["probe fact-token log p"].setdefault(arm, []).append(probe[FACT_INDEX]["logp_plain"])
+            out["held-out avg@16"].setdefault(arm, []).append(result["sets"]["final"]["heldout"]["overall"]["avg@16"])
+    return out
+
+
+def draw(rng, values, picks, bandwidth, shrink_to=None, shrink=0.0):
+    """One arm's simulated outcomes: its committed values at the drawn seeds `picks` plus normal
+    noise (module doc); shrink > 0 moves them that fraction of the way to shrink_to (the control's mean)."""
+    v = np.asarray(values, dtype=np.float64)
+    x = v[picks] + rng.normal(0.0, bandwidth * v.std(ddof=1), len(picks))
+    return x if shrink_to is None else x + shrink * (shrink_to - v.mean())
+
+
+def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.05, seed=0):
+    """{outcome: per-contrast fraction of simulated studies that confirm it}: every outcome of a
+    simulated seed comes from the same committed seed (their correlation kept); the outcomes are
+    tested in the order given, each a family of the contrasts (stats.gatekeep: Holm within, the
+    next only when all of this one are confirmed)."""
+    rng = np.random.default_rng(seed)
+    outcomes = list(data)
+    arms = list(data[outcomes[0]])
+    hits = np.zeros((len(outcomes), len(CONTRASTS)))
+    for _ in range(sims):
+        picks = {arm: rng.integers(0, len(data[outcomes[0]][arm]), n_control if arm == CONTROL else n_arm)
+                 for arm in arms}
+        tests, ps = [], []
+        for outcome in outcomes:
+            values = data[outcome]
+            base = np.mean(values[CONTROL])
+            sample = {arm: draw(rng, values[arm], picks[arm], bandwidth, None if arm == CONTROL else base,
+                                0.0 if arm == CONTROL else shrink) for arm in arms}
+            tests += [welch(sample[a], sample[b]) for a, b in CONTRASTS]
+            ps.append([t["p"] for t in tests[-len(CONTRASTS):]])
+        adjusted = [p for family_ps in gatekeep(ps, alpha) for p in family_ps]
+        signs = PREDICTED * len(outcomes)
+        hits += np.reshape([p is not None and p <= alpha and np.sign(t["mean"]) == s
+                            for p, t, s in zip(adjusted, tests, signs)], hits.shape)
+    return {outcome: hits[i] / sims for i, outcome in enumerate(outcomes)}
+
+
+def family(data, names):
+    """The outcomes of one Holm family: {name: data[name]}."""
+    return {name: data[name] for name in names}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sims", type=int, default=2000)
+    ap.add_argument("--designs", default="8:10,10:14,12:16", help="seeds per arm:seeds of the control, ...")
+    ap.add_argument("--out", default="results/confirm/power.md")
+    args = ap.parse_args(argv)
+    data = committed()
+    designs = [tuple(int(x) for x in d.split(":")) for d in args.designs.split(",")]
+    contrasts = [f"{a} - {b}" for a, b in CONTRASTS]
+    lines = ["# Power of the confirmatory study (simulated)", "",
+             f"`python experiments/power.py --sims={args.sims}`: Welch per contrast, Holm over the three at 0.05, "
+             "smoothed bootstrap of the committed five seeds (bandwidth 0.5 sd); effect: as observed in the five "
+             "seeds, or each arm shrunk halfway to the control; see the script's doc.", ""]
+    for outcome, values in data.items():
+        lines.append(f"- {outcome}: five committed seeds per arm, mean (sd): "
+                     + ", ".join(f"{arm} {np.mean(v):+.3f} ({np.std(v, ddof=1):.3f})" for arm, v in values.items()))
+    lines.append("")
+    for title, names in FAMILIES.items():
+        lines += [f"**{title}**", "", "| seeds per arm : control | effect | outcome | " + " | ".join(contrasts)
+                  + " |", "|---|---|---|" + "---|" * len(contrasts)]
+        for n_arm, n_control in designs:
+            for shrink, label in ((0.0, "as observed"), (0.5, "half")):
+                got = power(family(data, names), n_arm, n_control, args.sims, shrink=shrink)
+                for outcome, p in got.items():
+                    lines.append(f"| {n_arm} : {n_control} | {label} | {outcome} | "
+                                 + " | ".join(f"{x:.2f}" for x in p) + " |")
+                    print(lines[-1], flush=True)
+        lines.append("")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
