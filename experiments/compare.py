@@ -496,9 +496,10 @@ class Plan:
     seeds: dict  # arm -> seeds
 
 
-def run_all(out, plans, shared, model, scorer, keep_checkpoints=False):
+def run_all(out, plans, shared, model, scorer, keep_checkpoints=False, commit=False):
     """Train and score every run not finished yet (a run is finished once its result.json exists);
-    a scored run's checkpoints are deleted unless keep_checkpoints.
+    a scored run's checkpoints are deleted unless keep_checkpoints; commit: each finished run's
+    folder is committed to git at once (commit_run).
     Order: the arms a task runs on more seeds (Task.seeds) first, then the others; within each,
     seed-major, so a comparison cut short has every arm of the first seeds, not every seed of
     the first arms."""
@@ -521,9 +522,29 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False):
                        plan.task, base)
         if not keep_checkpoints:
             drop_checkpoints(run_dir)
+        if commit:
+            commit_run(run_dir, f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} generated tokens, "
+                                f"{r['steps']} steps")
         scores = "; ".join(f"{name} greedy {v['overall']['greedy']:.3f}" for name, v in r["sets"]["final"].items())
         print(f"{task_name} / {arm} / seed {seed}: {r['generated_tokens']:,} tokens, {r['steps']} steps, "
               f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; {scores}", flush=True)
+
+
+def commit_run(run_dir, message, tries=10, repo=ROOT):
+    """git add + commit of one run's folder only (what .gitignore leaves of it), so a long study
+    keeps every finished run even if the session ends; other staged or changed files are not
+    committed. Retried while another git command holds the index lock."""
+    for attempt in range(tries):
+        add = subprocess.run(["git", "add", "--", run_dir], cwd=repo, capture_output=True, text=True)
+        name = os.path.relpath(run_dir, repo)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "-q", "-m", f"{name}: {message}", "--", run_dir], cwd=repo,
+            capture_output=True, text=True).returncode == 0
+        if done:
+            return True
+        time.sleep(2 + attempt)
+    print(f"{run_dir}: not committed (git failed {tries} times); commit it by hand", flush=True)
+    return False
 
 
 def finished_runs(out, task_name, arm):
@@ -629,6 +650,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny random model, tiny budget, 1 task, 3 arms x 2 seeds")
     ap.add_argument("--report_only", action="store_true", help="rewrite the report from the finished runs")
     ap.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints after scoring")
+    ap.add_argument("--commit", action="store_true", help="git-commit each run's folder as soon as it is finished")
     ap.add_argument("--reflector", default="", help="an OpenAI-compatible server: adds the p2o_teacher arm")
     ap.add_argument("--reflector_model", default="", help="the model name at --reflector ('' = its first)")
     args = ap.parse_args(argv)
@@ -674,8 +696,10 @@ def main(argv=None):
         if not args.report_only and not legacy:  # the starting model's scores first (the row every arm starts from)
             untrained_result(os.path.join(out, task_name, "untrained"), scorer, resolve_model(model), sets,
                              task.crm_probe and (*task.crm_probe, rule), task)
+            if args.commit:
+                commit_run(os.path.join(out, task_name, "untrained"), "the starting model, scored")
     if not args.report_only:
-        run_all(out, plans, shared, model, scorer, args.keep_checkpoints)
+        run_all(out, plans, shared, model, scorer, args.keep_checkpoints, args.commit)
     write_reports(args, out, plans, explicit_seeds)
     print(f"wrote {out}/report.md")
     return 0

@@ -456,3 +456,24 @@ def test_quick_confirm_task_scores_gold_logprobs_and_greedy_only_sets(tmp_path):
     text = (out / "report.md").read_text()
     assert "## confirm: the confirmatory study" in text and "docs/PREREGISTRATION.md" in text
     assert "**Interim**" in text  # one seed of each of two arms: far from the plan
+
+
+def test_commit_run_commits_the_run_folder_and_nothing_else(tmp_path):
+    import subprocess
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("results/**/ckpt-*/\n")
+    (tmp_path / "other.txt").write_text("staged but not the run's\n")
+    git("add", "other.txt", ".gitignore")
+    run = tmp_path / "results" / "confirm" / "grpo_k" / "seed-100"
+    (run / "ckpt-4").mkdir(parents=True)
+    (run / "ckpt-4" / "model.safetensors").write_text("weights")
+    (run / "result.json").write_text("{}")
+    assert compare.commit_run(str(run), "done", repo=str(tmp_path))
+    committed = git("show", "--name-only", "--format=%s", "HEAD").split()
+    assert committed[0] == "results/confirm/grpo_k/seed-100:" and "results/confirm/grpo_k/seed-100/result.json" in committed
+    assert "other.txt" not in committed and not any("ckpt-4" in c for c in committed)
+    assert "A  other.txt" in git("status", "--short")  # still staged, for its own commit
