@@ -491,6 +491,9 @@ def learn_lines(results, planned, noise_rate, stopped):
              f"p <= {LEARN_P}; Barnard's exact test (two-sided, pooled), Holm over the contrasts:", "",
              "| arm | learnt | threshold |", "|---|---|---|"]
     lines += [f"| {arm} | {x} of {n} | {c} of {m} samples |" for arm, (x, n, c, m) in counts.items()]
+    if results.get("untrained"):
+        c, m = held_out_correct(results["untrained"][0])
+        lines.append(f"| untrained (this scoring's draw) | {c} correct of {m} samples | - |")
     tests = [(a, b, barnard(counts[a][0], counts[a][1], counts[b][0], counts[b][1]))
              for a, b in CONTRASTS if a in counts and b in counts and a not in stopped and b not in stopped]
     adjusted = holm([p for _, _, (_, p) in tests])

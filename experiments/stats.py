@@ -2,6 +2,7 @@
 baseline over seeds, and how often their intervals cover the truth.
 
     python experiments/stats.py        # simulated coverage of each interval -> results/compare/coverage.md
+    python experiments/stats.py --power_only   # what n seeds can detect -> results/compare/power.md
 
 Three tools, each for what it can say:
 - t_interval: the mean of the per-seed paired differences with a Student-t interval (n - 1
@@ -230,6 +231,42 @@ def simulate_coverage(n_seeds, n_problems=40, sims=1000, boot=1000, seed=0, **ef
     return {k: v / sims for k, v in hits.items() if boot or k == "t"}
 
 
+def simulate_power(n_seeds, n_problems=40, sims=4000, seed=0, **effects):
+    """{"power": fraction of simulated comparisons whose 95% t-interval excludes 0 (a two-sided
+    paired t-test at 0.05 rejecting), "coverage": ... whose interval holds the truth}."""
+    rng = np.random.default_rng(seed)
+    rejects = covers = 0
+    for _ in range(sims):
+        a, b, truth, _ = simulate(rng, n_seeds, n_problems, **effects)
+        _, lo, hi = t_interval((a - b).mean(axis=1))
+        rejects += lo > 0 or hi < 0
+        covers += lo <= truth <= hi
+    return {"power": rejects / sims, "coverage": covers / sims}
+
+
+def power_table(sims, seeds=(5, 6, 10, 20, 40)):
+    """Markdown: the paired t-test's power and coverage at each number of seeds, per SCENARIO."""
+    lines = ["# What n seeds can detect (simulated)", "",
+             f"`python experiments/stats.py --power_only --sims={sims}`: the scenarios of coverage.md (a mean "
+             "difference of 0.05 for every seed, plus 0.15 for the one seed in five that learns in the lopsided "
+             "one), and the lopsided process at the floor, as on made-up units (the seeds that do not learn differ "
+             "by 0, so the mean difference is 0.2 x 0.15 = 0.03); 40 problems; power: the share "
+             "of simulated comparisons whose paired 95% t-interval over seeds excludes 0 (a two-sided t-test at "
+             "0.05); coverage: the share whose interval holds the true mean. Six seeds are the fewest at which an "
+             "exact sign-flip test can reach p < 0.05 at all (2/64, all six differences of one sign); that is what "
+             "is attainable, not what is likely.", ""]
+    floor = {"lopsided at the floor: one seed in five learns (+0.15), the others differ by 0 (mean 0.03)":
+             {**SCENARIOS[next(k for k in SCENARIOS if k.startswith("lopsided"))], "mean": 0.0}}
+    for name, effects in (SCENARIOS | floor).items():
+        lines += [f"**{name}**", "", "| seeds | power | coverage |", "|---|---|---|"]
+        for n in seeds:
+            r = simulate_power(n, sims=sims, **effects)
+            lines.append(f"| {n} | {r['power']:.3f} | {r['coverage']:.3f} |")
+            print(name, lines[-1], flush=True)
+        lines.append("")
+    return lines
+
+
 SCENARIOS = {  # name -> simulate()'s effects
     # "normal:" or "lopsided:" (a kind report.coverage_range reads)
     "normal: problems dominate (seed sd 0.03, problem sd 0.15)": {"seed_sd": 0.03, "problem_sd": 0.15},
@@ -244,7 +281,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sims", type=int, default=2000)
     ap.add_argument("--out", default="results/compare/coverage.md")
+    ap.add_argument("--power_only", action="store_true", help="only the power table -> --power_out")
+    ap.add_argument("--power_out", default="results/compare/power.md")
     args = ap.parse_args(argv)
+    if args.power_only:
+        with open(args.power_out, "w") as f:
+            f.write("\n".join(power_table(args.sims)))
+        print(f"wrote {args.power_out}")
+        return 0
     lines = ["# Coverage of the report's 95% intervals (simulated)", "",
              f"`python experiments/stats.py --sims={args.sims}`: per-problem differences D[s, i] = 0.05 + seed "
              "effect + problem effect + noise (sd 0.1), 40 problems, normal effects (and, in the last scenario, "

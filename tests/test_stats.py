@@ -197,3 +197,11 @@ def test_binomial_tail_by_hand():
     assert stats.binomial_tail(2, 3, 0.5) == pytest.approx(0.5)  # 3 + 1 of 8
     assert stats.binomial_tail(11, 640, 3 / 640) == pytest.approx(1 - sum(
         math.comb(640, x) * (3 / 640) ** x * (637 / 640) ** (640 - x) for x in range(11)))
+
+
+def test_simulated_power_is_the_tests_size_under_the_null_and_grows_with_seeds():
+    null = stats.simulate_power(5, sims=1500, mean=0.0, seed_sd=0.03, problem_sd=0.02)
+    assert abs(null["power"] - 0.05) < 3 * math.sqrt(0.05 * 0.95 / 1500) and abs(null["coverage"] - 0.95) < 0.02
+    floor = {"mean": 0.0, "seed_sd": 0.005, "problem_sd": 0.02, "learn_p": 0.2, "learn_effect": 0.15}
+    few, many = stats.simulate_power(5, sims=800, **floor), stats.simulate_power(40, sims=800, **floor)
+    assert few["power"] < 0.15 < 0.8 < many["power"]  # a lopsided process at the floor needs tens of seeds
