@@ -530,10 +530,16 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False, commit=Fa
               f"{seconds:.0f} s + {r['score_seconds']:.0f} s scoring; {scores}", flush=True)
 
 
-def commit_run(run_dir, message, tries=10, repo=ROOT):
+def commit_run(run_dir, message, tries=10, repo=None):
     """git add + commit of one run's folder only (what .gitignore leaves of it), so a long study
     keeps every finished run even if the session ends; other staged or changed files are not
-    committed. Retried while another git command holds the index lock."""
+    committed. Retried while another git command holds the index lock. The repository is the one
+    that holds the folder once links are followed (repo=None), so a study run from a frozen
+    checkout whose results/ links to the working repository's commits there."""
+    run_dir = os.path.realpath(run_dir)
+    if repo is None:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=run_dir, capture_output=True, text=True)
+        repo = top.stdout.strip() or ROOT
     for attempt in range(tries):
         add = subprocess.run(["git", "add", "--", run_dir], cwd=repo, capture_output=True, text=True)
         name = os.path.relpath(run_dir, repo)

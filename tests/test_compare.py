@@ -477,3 +477,12 @@ def test_commit_run_commits_the_run_folder_and_nothing_else(tmp_path):
     assert committed[0] == "results/confirm/grpo_k/seed-100:" and "results/confirm/grpo_k/seed-100/result.json" in committed
     assert "other.txt" not in committed and not any("ckpt-4" in c for c in committed)
     assert "A  other.txt" in git("status", "--short")  # still staged, for its own commit
+    # a run folder reached through a link (a frozen checkout whose results/ links here) commits here
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-checkout"
+    elsewhere.mkdir()
+    (elsewhere / "results").symlink_to(tmp_path / "results")
+    run2 = elsewhere / "results" / "confirm" / "grpo_k" / "seed-101"
+    run2.mkdir(parents=True)
+    (run2 / "result.json").write_text("{}")
+    assert compare.commit_run(str(run2), "done")
+    assert "results/confirm/grpo_k/seed-101/result.json" in git("show", "--name-only", "--format=%s", "HEAD").split()
