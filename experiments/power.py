@@ -34,7 +34,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from stats import gatekeep, welch  # noqa: E402
+from stats import gatekeep, welch, write_lines  # noqa: E402
 
 CONTROL = "grpo_k"
 CONTRASTS = (("p2o_human_no_crm", "grpo_k"), ("p2o_human_no_crm", "p2o_human"), ("rs_distill", "grpo_k"))
@@ -131,10 +131,7 @@ def main(argv=None):
                                  + " | ".join(f"{x:.2f}" for x in p) + " |")
                     print(lines[-1], flush=True)
         lines.append("")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_lines(args.out, lines)
     return 0
 
 

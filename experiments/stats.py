@@ -277,6 +277,14 @@ SCENARIOS = {  # name -> simulate()'s effects
 }
 
 
+def write_lines(path, lines):
+    """A markdown file from its lines (its folder made), and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sims", type=int, default=2000)
@@ -285,9 +293,7 @@ def main(argv=None):
     ap.add_argument("--power_out", default="results/compare/power.md")
     args = ap.parse_args(argv)
     if args.power_only:
-        with open(args.power_out, "w") as f:
-            f.write("\n".join(power_table(args.sims)))
-        print(f"wrote {args.power_out}")
+        write_lines(args.power_out, power_table(args.sims))
         return 0
     lines = ["# Coverage of the report's 95% intervals (simulated)", "",
              f"`python experiments/stats.py --sims={args.sims}`: per-problem differences D[s, i] = 0.05 + seed "
@@ -302,10 +308,7 @@ def main(argv=None):
             lines.append(f"| {n_seeds} | {c['t']:.3f} | {c['bootstrap']:.3f} |")
             print(name, lines[-1], flush=True)
         lines.append("")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {args.out}")
+    write_lines(args.out, lines)
     return 0
 
 
