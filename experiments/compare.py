@@ -542,6 +542,9 @@ def commit_run(run_dir, message, tries=10, repo=None):
         repo = top.stdout.strip() or ROOT
     for attempt in range(tries):
         add = subprocess.run(["git", "add", "--", run_dir], cwd=repo, capture_output=True, text=True)
+        if add.returncode == 0 and subprocess.run(["git", "diff", "--cached", "--quiet", "--", run_dir],
+                                                  cwd=repo).returncode == 0:
+            return True  # nothing new in it (committed before)
         name = os.path.relpath(run_dir, repo)
         done = add.returncode == 0 and subprocess.run(
             ["git", "commit", "-q", "-m", f"{name}: {message}", "--", run_dir], cwd=repo,

@@ -477,6 +477,8 @@ def test_commit_run_commits_the_run_folder_and_nothing_else(tmp_path):
     assert committed[0] == "results/confirm/grpo_k/seed-100:" and "results/confirm/grpo_k/seed-100/result.json" in committed
     assert "other.txt" not in committed and not any("ckpt-4" in c for c in committed)
     assert "A  other.txt" in git("status", "--short")  # still staged, for its own commit
+    head = git("rev-parse", "HEAD")
+    assert compare.commit_run(str(run), "again", repo=str(tmp_path)) and git("rev-parse", "HEAD") == head  # nothing new
     # a run folder reached through a link (a frozen checkout whose results/ links here) commits here
     elsewhere = tmp_path.parent / f"{tmp_path.name}-checkout"
     elsewhere.mkdir()
