@@ -91,8 +91,10 @@ def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.
                                 0.0 if arm == CONTROL else shrink) for arm in arms}
             tests += [welch(sample[a], sample[b]) for a, b in CONTRASTS]
             ps.append([t["p"] for t in tests[-len(CONTRASTS):]])
-        adjusted = [p for family_ps in gatekeep(ps, alpha) for p in family_ps]
         signs = PREDICTED * len(outcomes)
+        right = [[np.sign(t["mean"]) == s for t, s in zip(tests[i:i + len(CONTRASTS)], PREDICTED)]
+                 for i in range(0, len(tests), len(CONTRASTS))]
+        adjusted = [p for family_ps in gatekeep(ps, alpha, right) for p in family_ps]
         hits += np.reshape([p is not None and p <= alpha and np.sign(t["mean"]) == s
                             for p, t, s in zip(adjusted, tests, signs)], hits.shape)
     return {outcome: hits[i] / sims for i, outcome in enumerate(outcomes)}

@@ -447,7 +447,7 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
               "all three of this one are confirmed). Paired: the t-interval over the seeds both arms ran.", "",
               "| outcome | contrast (predicted > 0) | runs | means | difference | Welch 95% | p | adjusted p | "
               "paired 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-    families, rows = [], []
+    families, signs, rows = [], [], []
     for name, value, delta in OUTCOMES:
         ps = []
         for a, b in CONTRASTS:
@@ -463,7 +463,8 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
             ps.append(test["p"] if test else None)
             rows.append((name, a, b, test, (va, vb, pair), delta))
         families.append(ps)
-    adjusted = [p for family in gatekeep(families, ALPHA) for p in family]
+        signs.append([row[3] is not None and row[3]["mean"] > 0 for row in rows[-len(CONTRASTS):]])
+    adjusted = [p for family in gatekeep(families, ALPHA, signs) for p in family]
     for (name, a, b, test, data, delta), adj in zip(rows, adjusted):
         if test is None:
             lines.append(f"| {name} | {a} - {b} | - | - | - | - | - | - | - | "

@@ -138,16 +138,19 @@ def holm(pvalues):
     return out
 
 
-def gatekeep(families, alpha=0.05):
+def gatekeep(families, alpha=0.05, signs=None):
     """Serial gatekeeping: families of p-values tested in order, each with Holm at alpha, a family
     only when every hypothesis of the families before it was rejected (family-wise error over
-    all of them at most alpha). -> one list per family: the Holm-adjusted p-values of a family
-    tested, None for each hypothesis of a family not reached (and for a None p)."""
+    all of them at most alpha). signs: per family, per hypothesis, whether the estimate has the
+    predicted sign; then a rejection opens the next family only with that sign (stricter, so
+    still at most alpha). -> one list per family: the Holm-adjusted p-values of a family tested,
+    None for each hypothesis of a family not reached (and for a None p)."""
     out, gate_open = [], True
-    for ps in families:
+    for i, ps in enumerate(families):
         adjusted = holm(ps) if gate_open else [None] * len(ps)
         out.append(adjusted)
-        gate_open = gate_open and all(a is not None and a <= alpha for a in adjusted)
+        ok = signs[i] if signs is not None else [True] * len(ps)
+        gate_open = gate_open and all(a is not None and a <= alpha and good for a, good in zip(adjusted, ok))
     return out
 
 

@@ -181,6 +181,9 @@ def test_gatekeeping_opens_a_family_only_after_all_before_it_are_rejected():
     assert stats.gatekeep([[0.01, 0.2], [0.001, 0.001]]) == [[pytest.approx(0.02), pytest.approx(0.2)], [None, None]]
     assert stats.gatekeep([[0.01], [0.04], [0.001]], alpha=0.03) == [[pytest.approx(0.01)], [pytest.approx(0.04)],
                                                                      [None]]
+    # rejected with the wrong sign: confirmed nothing, so the next family stays shut
+    assert stats.gatekeep([[0.01], [0.001]], signs=[[False], [True]]) == [[pytest.approx(0.01)], [None]]
+    assert stats.gatekeep([[0.01], [0.001]], signs=[[True], [True]]) == [[pytest.approx(0.01)], [pytest.approx(0.001)]]
 
 
 def test_gatekeeping_controls_the_family_wise_error():
