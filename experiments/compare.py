@@ -89,8 +89,8 @@ class Task:
 
 BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
 CONFIRM_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs/PREREGISTRATION.md
-CONFIRM_SEEDS = tuple(range(100, 110))  # new seeds: 0-4 made the hypothesis
-CONFIRM_CONTROL_SEEDS = tuple(range(100, 114))
+CONFIRM_SEEDS = tuple(range(100, 114))  # new seeds: 0-4 made the hypothesis (14 an arm: Deviation 1)
+CONFIRM_CONTROL_SEEDS = tuple(range(100, 118))
 FIVE_SEEDS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill", "sft_gold", "p2o_human_crm_low",
               "p2o_human_crm_soft", "p2o_self_official")  # fictional: the arms run on five seeds
 TASKS = {
@@ -511,7 +511,8 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False, commit=Fa
         run_dir = os.path.join(out, task_name, arm, f"seed-{seed}")
         if os.path.exists(os.path.join(run_dir, "result.json")):
             continue
-        if plan.task.prereg and futile(arm, [load_run(d) for d in finished_runs(out, task_name, arm)]):
+        if plan.task.prereg and futile(arm, [load_run(d) for d in finished_runs(out, task_name, arm)],
+                                       plan.task.seeds.get(arm)):
             print(f"{task_name} / {arm}: stopped by the futility rule (docs/PREREGISTRATION.md)", flush=True)
             continue
         print(f"{task_name} / {arm} / seed {seed}: training to {plan.budget:,} generated tokens", flush=True)

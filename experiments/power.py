@@ -20,8 +20,8 @@ The outcomes simulated:
 - primary (gold log-prob): the committed runs have no such score (their checkpoints are gone),
   so it is stood in for by the closest committed measure, the CRM probe's per-token mean log-prob
   of one gold-form answer under the plain prompt (results/compare/fictional/<arm>/seed-*/
-  crm_tokens.json: the same statistic on one problem, at T = 0.6), and, as a second stand-in, its
-  fact token (the 3 of 13) alone;
+  crm_tokens.json: the same statistic on one problem, at T = 0.6), and, for the fact-token reading,
+  the summed log-prob of its two tokens that spell "13";
 - co-primary: held-out avg@16, the committed score itself.
 """
 
@@ -46,7 +46,7 @@ FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested 
         ("probe response mean log p",),
     "(the same, held-out avg@16 alone)": ("held-out avg@16",),
 }
-FACT_INDEX = 10  # the probe response's fact token: the "3" of "13" (experiments/report.py fact_token)
+FACT_TOKENS = (9, 10)  # the probe response's tokens that spell "13" ("1", "3"), as gold_logprob.fact_positions finds them
 
 
 def committed(root="results/compare/fictional"):
@@ -58,7 +58,7 @@ def committed(root="results/compare/fictional"):
             result = json.load(open(os.path.join(d, "result.json")))
             probe = json.load(open(os.path.join(d, "crm_tokens.json")))
             out["probe response mean log p"].setdefault(arm, []).append(np.mean([t["logp_plain"] for t in probe]))
-            out["probe fact-token log p"].setdefault(arm, []).append(probe[FACT_INDEX]["logp_plain"])
+            out["probe fact-token log p"].setdefault(arm, []).append(sum(probe[i]["logp_plain"] for i in FACT_TOKENS))
             out["held-out avg@16"].setdefault(arm, []).append(result["sets"]["final"]["heldout"]["overall"]["avg@16"])
     return out
 
@@ -108,16 +108,18 @@ def family(data, names):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sims", type=int, default=2000)
-    ap.add_argument("--designs", default="8:10,10:14,12:16", help="seeds per arm:seeds of the control, ...")
+    ap.add_argument("--designs", default="10:14,12:16,14:18,16:20", help="seeds per arm:seeds of the control, ...")
     ap.add_argument("--out", default="results/confirm/power.md")
     args = ap.parse_args(argv)
     data = committed()
     designs = [tuple(int(x) for x in d.split(":")) for d in args.designs.split(",")]
     contrasts = [f"{a} - {b}" for a, b in CONTRASTS]
     lines = ["# Power of the confirmatory study (simulated)", "",
-             f"`python experiments/power.py --sims={args.sims}`: Welch per contrast, Holm over the three at 0.05, "
-             "smoothed bootstrap of the committed five seeds (bandwidth 0.5 sd); effect: as observed in the five "
-             "seeds, or each arm shrunk halfway to the control; see the script's doc.", ""]
+             f"`python experiments/power.py --sims={args.sims}`: Welch per contrast; Holm over the three contrasts of "
+             "an outcome at 0.05, the outcomes in order, each only when all three of the one before are confirmed "
+             "with their predicted sign (stats.gatekeep); smoothed bootstrap of the committed five seeds "
+             "(bandwidth 0.5 sd); effect: as observed in the five seeds, or each arm shrunk halfway to the control; "
+             "see the script's doc.", ""]
     for outcome, values in data.items():
         lines.append(f"- {outcome}: five committed seeds per arm, mean (sd): "
                      + ", ".join(f"{arm} {np.mean(v):+.3f} ({np.std(v, ddof=1):.3f})" for arm, v in values.items()))

@@ -404,9 +404,10 @@ def held_out_correct(run):
     return sum(r["correct"] for r in rows.values()), sum(r["k"] for r in rows.values())
 
 
-def futile(arm, runs):
-    """The futility rule: a GEPA arm whose first two runs (by seed) kept no template is stopped."""
-    first = sorted(runs, key=lambda r: r["seed"])[:2]
+def futile(arm, runs, seeds=None):
+    """The futility rule: a GEPA arm whose first two registered runs (by seed; seeds: the registered
+    ones, None = any) kept no template is stopped."""
+    first = sorted((r for r in runs if seeds is None or r["seed"] in seeds), key=lambda r: r["seed"])[:2]
     return arm in GEPA_ARMS and len(first) == 2 and all(r["templates_assigned"] == 0 for r in first)
 
 
@@ -416,6 +417,8 @@ def verdict(test, adjusted, delta, sign, complete):
         return "not tested (an earlier outcome was not confirmed in full)" if complete else "undecided (interim)"
     if not complete:
         return "undecided (interim)"
+    if test["df"] is None:
+        return "undecided (neither arm varies)"
     if adjusted <= ALPHA:
         return "**confirmed**" if test["mean"] * sign > 0 else "**refuted** (the opposite sign)"
     if -delta < test["low"] and test["high"] < delta:
@@ -427,24 +430,32 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
     """The confirmatory analysis of a task with a pre-registration: {arm: [runs]} against the
     planned {arm: seeds}; noise_rate: the untrained model's highest held-out avg@16 over scoring
     seeds (the learn threshold's base). Markdown lines."""
-    done = {arm: len(results.get(arm, [])) for arm in planned}
-    stopped = [arm for arm in planned if futile(arm, results.get(arm, []))]
-    complete = all(done[arm] >= len(seeds) or arm in stopped for arm, seeds in planned.items())
+    untrained = results.get("untrained", [])
+    results = {arm: [r for r in results.get(arm, []) if r["seed"] in seeds] for arm, seeds in planned.items()}
+    scored = {arm: {r["seed"] for r in runs if all(value(r) is not None for _, value, _ in OUTCOMES)}
+              for arm, runs in results.items()}
+    done = {arm: len(runs) for arm, runs in results.items()}
+    stopped = [arm for arm in planned if futile(arm, results[arm], planned[arm])]
+    complete = all(set(seeds) <= scored[arm] or arm in stopped for arm, seeds in planned.items())
     lines = [f"## {task_name}: the confirmatory study", "",
              f"Pre-registration: [{prereg}](../../{prereg}), committed before the first run (its git history shows "
              "when). Runs finished: " + ", ".join(f"{arm} {done[arm]} of {len(s)}" for arm, s in planned.items())
              + (". **Complete**: the verdicts below are the study's." if complete else
-                ". **Interim**: until every planned run is in, no verdict is drawn (every one reads undecided)."), ""]
+                ". **Interim**: until every planned run is in, no verdict is drawn (every one reads undecided)."),
+             "", "Runs of other seeds in the folder take no part."]
     lines += ["Registered: the outcomes in this order, " + "; ".join(
         f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in OUTCOMES)
         + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in CONTRASTS) + ", each predicted > 0; the futility "
         f"rule on {', '.join(GEPA_ARMS)}; the learn rate's threshold at p <= {LEARN_P} under the untrained rate.", ""]
     if stopped:
         lines += [f"Stopped by the futility rule (their first two runs kept no template; reported as GRPO (K)): "
-                  f"{', '.join(stopped)}.", ""]
+                  f"{', '.join(stopped)}. Their contrasts are not tested and count as not confirmed, so no later "
+                  "outcome is tested.", ""]
     lines += ["Primary analysis: each outcome a family of the three contrasts, Welch's unpaired test (df rounded "
               "down), Holm within the family at 0.05, the families in order (serial gatekeeping: the next only when "
-              "all three of this one are confirmed). Paired: the t-interval over the seeds both arms ran.", "",
+              "all three of this one are confirmed with their predicted sign). Refuted by the interval: the "
+              "unadjusted Welch 95% interval inside ± the smallest effect of interest (only false confirmations are "
+              "held to 0.05 over the nine). Paired: the t-interval over the seeds both arms ran.", "",
               "| outcome | contrast (predicted > 0) | runs | means | difference | Welch 95% | p | adjusted p | "
               "paired 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     families, signs, rows = [], [], []
@@ -476,12 +487,13 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
                      f"{fmt_interval((test['low'], test['high']))} | {test['p']:.2g} | "
                      + ("-" if adj is None else f"{adj:.2g}") + f" | {fmt_interval(pair)} | "
                      + verdict(test, adj, delta, +1, complete) + " |")
-    return lines + [""] + learn_lines(results, planned, noise_rate, stopped)
+    return lines + [""] + learn_lines(results | {"untrained": untrained}, planned, noise_rate, stopped, complete)
 
 
-def learn_lines(results, planned, noise_rate, stopped):
+def learn_lines(results, planned, noise_rate, stopped, complete=True):
     """The learn-rate secondary: runs whose held-out correct count the untrained model would reach
-    with p <= LEARN_P, per arm, and Barnard's test per contrast (Holm over the three)."""
+    with p <= LEARN_P, per arm, and Barnard's test per contrast (Holm over the three); labelled
+    interim until the study is complete."""
     counts = {}
     for arm in planned:
         got = [held_out_correct(r) for r in results.get(arm, [])]
@@ -502,7 +514,8 @@ def learn_lines(results, planned, noise_rate, stopped):
     tests = [(a, b, barnard(counts[a][0], counts[a][1], counts[b][0], counts[b][1]))
              for a, b in CONTRASTS if a in counts and b in counts and a not in stopped and b not in stopped]
     adjusted = holm([p for _, _, (_, p) in tests])
-    lines += ["", "| contrast | learnt | Barnard p | Holm-adjusted p |", "|---|---|---|---|"]
+    lines += ["", "Interim (not every registered run is in):" if not complete else "Complete:", "",
+              "| contrast | learnt | Barnard p | Holm-adjusted p |", "|---|---|---|---|"]
     lines += [f"| {a} - {b} | {counts[a][0]}/{counts[a][1]} vs {counts[b][0]}/{counts[b][1]} | {p:.3g} | {adj:.3g} |"
               for (a, b, (_, p)), adj in zip(tests, adjusted)]
     return lines + [""]

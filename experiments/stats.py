@@ -113,14 +113,16 @@ def t_p_two_sided(t, df):
 def welch(a, b, level=0.95):
     """Unpaired mean(a) - mean(b) of two arms' per-seed values (>= 2 each): {"mean", "low", "high",
     "p", "df"}; df = Welch-Satterthwaite, rounded down (never below 1). Two arms that do not vary
-    at all: p 1 when their means agree, 0 otherwise, the interval the point."""
+    at all (up to rounding): df None, p 1 when their means agree, 0 otherwise, the interval the point."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.size < 2 or b.size < 2:
         raise ValueError(f"Welch's test needs at least 2 values per arm, got {a.size} and {b.size}")
     va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     mean, se = a.mean() - b.mean(), math.sqrt(va + vb)
-    if se == 0.0:
-        return {"mean": mean, "low": mean, "high": mean, "p": float(mean == 0.0), "df": None}
+    scale = 1e-12 * max(1.0, abs(a.mean()), abs(b.mean()))
+    if np.ptp(a) <= scale and np.ptp(b) <= scale:  # neither arm varies (up to rounding): no test
+        same = abs(mean) <= scale
+        return {"mean": 0.0 if same else mean, "low": mean, "high": mean, "p": float(same), "df": None}
     df = max(1, math.floor((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))))
     half = t_quantile(0.5 + level / 2, df) * se
     return {"mean": mean, "low": mean - half, "high": mean + half, "p": t_p_two_sided(mean / se, df), "df": df}

@@ -488,3 +488,24 @@ def test_commit_run_commits_the_run_folder_and_nothing_else(tmp_path):
     (run2 / "result.json").write_text("{}")
     assert compare.commit_run(str(run2), "done")
     assert "results/confirm/grpo_k/seed-101/result.json" in git("show", "--name-only", "--format=%s", "HEAD").split()
+
+
+def test_runs_of_unregistered_seeds_neither_count_nor_complete_the_study():
+    runs = study(FACT, WHOLE, AVG, runs={"rs_distill": 2})
+    runs["rs_distill"].append(confirm_run("rs_distill", 7, -2.0, -1.0, 0.0))  # seed 7 is not in the plan
+    text = "\n".join(report.confirm_report("confirm", runs, PLANNED, "docs/PREREGISTRATION.md", 0.0046875))
+    assert "rs_distill 2 of 3" in text and "**Interim**" in text
+    row = next(line for line in text.splitlines() if line.startswith("| gold fact-token log-prob | rs_distill"))
+    assert "| 2 : 4 |" in row
+    # a registered run without its gold outcome does not complete the study either
+    full = study(FACT, WHOLE, AVG)
+    del full["grpo_k"][0]["gold"]
+    assert "**Interim**" in "\n".join(report.confirm_report("confirm", full, PLANNED, "p", 0.0046875))
+
+
+def test_a_contrast_where_neither_arm_varies_gets_no_verdict():
+    flat_avg = {arm: [0.0] * len(PLANNED[arm]) for arm in PLANNED}
+    fact = {arm: [-3.0] * len(PLANNED[arm]) for arm in PLANNED}
+    text = "\n".join(report.confirm_report("confirm", study(fact, WHOLE, flat_avg), PLANNED, "p", 0.0046875))
+    rows = [line for line in text.splitlines() if line.startswith("| gold fact-token")]
+    assert len(rows) == 3 and all(line.endswith("undecided (neither arm varies) |") for line in rows)

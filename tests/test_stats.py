@@ -161,6 +161,8 @@ def test_welch_equal_sizes_and_variances_is_the_pooled_t():
     assert w["df"] == 4 and w["mean"] == pytest.approx(-1.0)
     assert w["high"] == pytest.approx(-1.0 + 2.7764451 * math.sqrt(2 / 3), abs=1e-6)
     assert stats.welch([1.0, 1.0], [1.0, 1.0])["p"] == 1.0 and stats.welch([1.0, 1.0], [2.0, 2.0])["p"] == 0.0
+    rounding = stats.welch([0.1] * 10, [0.1] * 14)  # means differ by 1e-17: still no variance, no difference
+    assert rounding["p"] == 1.0 and rounding["df"] is None and rounding["mean"] == 0.0
     with pytest.raises(ValueError):
         stats.welch([1.0], [1.0, 2.0])
 
