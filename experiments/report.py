@@ -442,7 +442,7 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
              "when). Runs finished: " + ", ".join(f"{arm} {done[arm]} of {len(s)}" for arm, s in planned.items())
              + (". **Complete**: the verdicts below are the study's." if complete else
                 ". **Interim**: until every planned run is in, no verdict is drawn (every one reads undecided)."),
-             "", "Runs of other seeds in the folder take no part."]
+             "", "Runs of other seeds in the folder take no part.", ""]
     lines += ["Registered: the outcomes in this order, " + "; ".join(
         f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in OUTCOMES)
         + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in CONTRASTS) + ", each predicted > 0; the futility "
