@@ -33,12 +33,12 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # report.py reads plot.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import BASELINE as CONTROL, CONTRASTS  # noqa: E402  (the registered contrasts, one definition)
 from stats import gatekeep, welch, write_lines  # noqa: E402
 
-CONTROL = "grpo_k"
-CONTRASTS = (("p2o_human_no_crm", "grpo_k"), ("p2o_human_no_crm", "p2o_human"), ("rs_distill", "grpo_k"))
-PREDICTED = (+1, +1, +1)  # the sign each contrast predicts: unmasked distillation learns more
+PREDICTED = (+1,) * len(CONTRASTS)  # every contrast predicts > 0: unmasked distillation learns more
 FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested in this order (stats.gatekeep)
     "as pre-registered: the fact tokens' log-prob, then the whole answer's, then held-out avg@16 (serial gatekeeping)":
         ("probe fact-token log p", "probe response mean log p", "held-out avg@16"),

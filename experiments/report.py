@@ -187,11 +187,12 @@ def task_report(task_name, results, k, k_templated=8, seed_free=(), command="", 
                   f"whose smallest possible value is 2/2^seeds ({2 / 2 ** MIN_SEEDS_FOR_P:.4f} at {MIN_SEEDS_FOR_P}):",
               "", f"| arm | seeds | per-seed differences | mean | t 95% | t, Bonferroni over {family} | bootstrap 95% | "
                   "unpaired: Welch 95% | p |", "|---|---|---|---|---|---|---|---|---|"]
+    runs_of = dict(others)
     for arm, s in primaries:
         family_t = t_interval(s["diffs"], 1 - 0.05 / family)[1:] if s["seeds"] >= 2 else None
         lines.append(paired_row(f"{arm} | {s['seeds']}{' (1 run)' if arm in seed_free else ''}", s,
                                 fmt_interval(s["t"]), fmt_interval(family_t), fmt_interval(s["boot"]),
-                                fmt_interval(unpaired(dict(others)[arm], base, primary))))
+                                fmt_interval(unpaired(runs_of[arm], base, primary))))
     secondary = cols[1:]
     if secondary:
         lines += ["", f"Secondary, paired against {BASELINE}: mean [t 95%]:", "",
