@@ -453,7 +453,7 @@ def crm_probe(model, question, response, rule):
     from experiments.crm_tokens import token_ratios
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     rows = token_ratios(policy, tokenizer, question, response, rule)
     return [{"token": t, "logp_plain": p, "logp_templated": q, "log_c": c, "masked": m} for t, p, q, c, m in rows]
 

@@ -61,7 +61,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = token_ratios(model, tokenizer, args.question, args.response, args.template, args.crm_low,
                         args.crm_high, args.prompt_format, args.temperature)
     print(f"band: log c in [{math.log(args.crm_low):.2f}, {math.log(args.crm_high):.2f}]")
