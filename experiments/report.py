@@ -444,6 +444,10 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
              + (". **Complete**: the verdicts below are the study's." if complete else
                 ". **Interim**: until every planned run is in, no verdict is drawn (every one reads undecided)."),
              "", "Runs of other seeds in the folder take no part.", ""]
+    recorded = deviations(prereg)
+    lines += ["Deviations from the pre-registration, as recorded there (its section \"Deviations\", copied):", ""] \
+        + ["> " + line if line else ">" for line in recorded] + [""] if recorded else \
+        ["Deviations from the pre-registration recorded there: none.", ""]
     lines += ["Registered: the outcomes in this order, " + "; ".join(
         f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in OUTCOMES)
         + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in CONTRASTS) + ", each predicted > 0; the futility "
@@ -485,10 +489,35 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
         va, vb, pair = data
         lines.append(f"| {name} | {a} - {b} | {len(va)} : {len(vb)} | {statistics.mean(va.values()):+.3f} : "
                      f"{statistics.mean(vb.values()):+.3f} | {test['mean']:+.3f} | "
-                     f"{fmt_interval((test['low'], test['high']))} | {test['p']:.2g} | "
-                     + ("-" if adj is None else f"{adj:.2g}") + f" | {fmt_interval(pair)} | "
+                     f"{fmt_interval((test['low'], test['high']))} | {fmt_p(test['p'])} | "
+                     + ("-" if adj is None else fmt_p(adj)) + f" | {fmt_interval(pair)} | "
                      + verdict(test, adj, delta, +1, complete) + " |")
     return lines + [""] + learn_lines(results | {"untrained": untrained}, planned, noise_rate, stopped, complete)
+
+
+def fmt_p(p):
+    """Two significant digits, trailing zeros kept (0.50, not 0.5)."""
+    return f"{p:#.2g}"
+
+
+def deviations(prereg):
+    """The lines of the pre-registration's "## Deviations" section (blank edges dropped), read from
+    the repository; [] when the file or the section is absent."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), prereg)
+    if not prereg or not os.path.isfile(path):
+        return []
+    section, inside = [], False
+    with open(path) as f:
+        for line in f.read().splitlines():
+            if line.startswith("## "):
+                inside = line.strip() == "## Deviations"
+            elif inside:
+                section.append(line.rstrip())
+    while section and not section[0]:
+        section.pop(0)
+    while section and not section[-1]:
+        section.pop()
+    return section
 
 
 def learn_lines(results, planned, noise_rate, stopped, complete=True):

@@ -509,3 +509,25 @@ def test_a_contrast_where_neither_arm_varies_gets_no_verdict():
     text = "\n".join(report.confirm_report("confirm", study(fact, WHOLE, flat_avg), PLANNED, "p", 0.0046875))
     rows = [line for line in text.splitlines() if line.startswith("| gold fact-token")]
     assert len(rows) == 3 and all(line.endswith("undecided (neither arm varies) |") for line in rows)
+
+
+def test_the_report_copies_the_recorded_deviations_beside_the_results(tmp_path):
+    prereg = tmp_path / "PREREG.md"
+    prereg.write_text("# Plan\n\n## Outcomes\nnot this\n\n## Deviations\n\n1. **A date, a change.** Why.\n"
+                      "   More.\n\n2. Another.\n\n## Afterwards\nnot this either\n")
+    assert report.deviations(str(prereg)) == ["1. **A date, a change.** Why.", "   More.", "", "2. Another."]
+    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, str(prereg), 0.0046875))
+    assert "> 1. **A date, a change.** Why.\n>    More.\n>\n> 2. Another.\n" in text
+    assert "not this" not in text
+    # no section, or no file: said so, not left out
+    prereg.write_text("# Plan\n\n## Outcomes\nnone moved\n")
+    assert report.deviations(str(prereg)) == [] and report.deviations(str(tmp_path / "absent.md")) == []
+    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, str(prereg), 0.0046875))
+    assert "Deviations from the pre-registration recorded there: none." in text
+    # the repository's own pre-registration: its numbered deviations, in order
+    numbered = [line.split(".")[0] for line in report.deviations("docs/PREREGISTRATION.md") if line[:1].isdigit()]
+    assert numbered == [str(i) for i in range(1, len(numbered) + 1)] and len(numbered) >= 4
+
+
+def test_p_values_keep_two_significant_digits():
+    assert [report.fmt_p(p) for p in (0.5, 0.065, 1.0, 0.18, 0.00012)] == ["0.50", "0.065", "1.0", "0.18", "0.00012"]
