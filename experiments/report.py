@@ -534,7 +534,8 @@ def learn_lines(results, planned, noise_rate, stopped, complete=True):
     if not counts:
         return []
     lines = ["Secondary, the learn rate: a run learnt the held-out rule when its held-out correct samples reach a "
-             f"count the untrained model (rate {noise_rate:.4f}, its highest over the committed scoring-noise seeds, fixed in advance) reaches with "
+             f"count the untrained model (rate {noise_rate:.4f}, its highest over the committed scoring-noise seeds, "
+             f"fixed in advance) reaches with "
              f"p <= {LEARN_P}; Barnard's exact test (two-sided, pooled), Holm over the contrasts:", "",
              "| arm | learnt | threshold |", "|---|---|---|"]
     lines += [f"| {arm} | {x} of {n} | {c} of {m} samples |" for arm, (x, n, c, m) in counts.items()]
