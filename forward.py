@@ -31,8 +31,9 @@ def selected_logprobs(model, input_ids, attention, targets, temperature, chunk, 
     at the flat positions `index`. The LM head runs there only, `chunk` tokens at a time
     (grpo.head_logprobs: no [N, V] logits). Bound to the policy as a method that FSDP treats
     like forward, so the head's weight is gathered around it."""
-    if index is not None:  # packed rows: the mask as this model's attention reads it
-        attention = grpo.attention_mask_for(attention, model.config._attn_implementation)
+    if index is not None:  # packed rows: laid out and masked as this model's attention takes them
+        input_ids, attention, position_ids, index = grpo.packed_inputs(input_ids, attention, position_ids, index,
+                                                                       model.config._attn_implementation)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).last_hidden_state
     selected = hidden[:, :-1][loss_mask] if index is None else hidden.flatten(0, 1)[index]  # [N, H]
     head = model.get_output_embeddings()
@@ -105,7 +106,8 @@ def response_hidden_mean(model, input_ids, attention, response_mask, position_id
         fed_back = response_mask & torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # a token the next one follows
         summed = (hidden.float() * fed_back.unsqueeze(-1)).sum(1)  # [B, H]
     else:  # index[n] predicts response token n, so it is the position of token n - 1 of the same row
-        mask = grpo.attention_mask_for(attention, model.config._attn_implementation)
+        input_ids, mask, position_ids, index = grpo.packed_inputs(input_ids, attention, position_ids, index,
+                                                                  model.config._attn_implementation)
         hidden = model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
         row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)  # [N]
         first = torch.ones_like(row, dtype=torch.bool)

@@ -350,31 +350,83 @@ def pack_rows(prompts, responses, pad_id):
     return Packed(input_ids, block, position_ids, index)
 
 
-def sees(block, b, q, kv):
-    """The packing rule: in sequence b, query position q attends key position kv iff kv <= q and
-    kv is the prompt (block -1) or in q's own block (padding attends like a response of its own:
-    a query must see at least one key). Indices broadcast; also FlexAttention's mask_mod."""
-    return (kv <= q) & ((block[b, kv] == -1) | (block[b, q] == block[b, kv]))
+def segments(block):
+    """Block ids [B, L] (pack_rows', or one_row's) -> (segment, prompt), both [B, L]: each
+    position's segment (a prompt, a response, or padding) numbered along its row, and the
+    segment of its sequence's prompt. A row may hold several packed sequences end to end
+    (one_row): a sequence starts where the ids return to -1; padding belongs to the sequence
+    before it, as a response of its own.
+
+    segments([[-1, -1, 0, 0, 1, -1, 0, 1, 1]]) -> segment [[0, 0, 1, 1, 2, 3, 4, 5, 5]]
+                                                 prompt  [[0, 0, 0, 0, 0, 3, 3, 3, 3]]
+    """
+    segment = torch.nn.functional.pad((block[:, 1:] != block[:, :-1]).cumsum(1), (1, 0))  # [B, L]
+    prompt = torch.where(block == -1, segment, -1).cummax(1).values  # [B, L]
+    return segment, prompt
+
+
+def sees(segment, prompt, b, q, kv):
+    """The packing rule on `segments`: in row b, query position q attends key position kv iff
+    kv <= q and kv is in q's own segment or in its sequence's prompt. A response sees its prompt
+    and its own earlier tokens, never another response or another sequence (padding attends
+    like a response of its own: a query must see at least one key). Indices broadcast; also
+    FlexAttention's mask_mod."""
+    return (kv <= q) & ((segment[b, kv] == segment[b, q]) | (segment[b, kv] == prompt[b, q]))
 
 
 PACKED_FLEX = "sdpa+flex"  # model.use_packed_flex: FlexAttention for packed rows, SDPA for every other mask
 PACKED_ATTENTION = ("sdpa", "eager", PACKED_FLEX)  # attention implementations packing is exact under
 
 
+def one_row(input_ids, block, position_ids, index):
+    """pack_rows' S sequences [S, Lp] end to end in one row [1, ΣL], their padding dropped, and
+    `index` pointed at the same tokens there. The block ids still tell the sequences apart (each
+    starts with its prompt, -1), so `sees` and packed_block_mask keep them apart; no padding is
+    left for the linear layers or the attention to compute.
+
+    pack_rows([[7], [5, 6], [5, 6]], [[4, 2], [8, 2], [9, 9, 2]], pad_id=0) and one_row of it ->
+        input_ids    [[7, 4, 2, 0, 0, 0, 0],        [[7, 4, 2, 5, 6, 8, 2, 9, 9, 2]]
+                      [5, 6, 8, 2, 9, 9, 2]]
+        block        [[-1, 0, 0, -2, -2, -2, -2],   [[-1, 0, 0, -1, -1, 0, 0, 1, 1, 1]]
+                      [-1, -1, 0, 0, 1, 1, 1]]
+        position_ids [[0, 1, 2, 0, 0, 0, 0],        [[0, 1, 2, 0, 1, 2, 3, 2, 3, 4]]
+                      [0, 1, 2, 3, 2, 3, 4]]
+        index        [0, 1, 8, 9, 8, 11, 12]        [0, 1, 4, 5, 4, 7, 8]
+    """
+    keep = (block != -2).flatten()  # [S * Lp]
+    place = keep.cumsum(0) - 1  # [S * Lp] a kept position's place in the row
+    return (input_ids.flatten()[keep][None], block.flatten()[keep][None], position_ids.flatten()[keep][None],
+            place[index])
+
+
+def packed_inputs(input_ids, block, position_ids, index, implementation):
+    """pack_rows' tensors as a model under `implementation` takes them -> (input_ids,
+    attention_mask, position_ids, index). PACKED_FLEX: one_row with its BlockMask, so only the
+    real tokens' tiles are computed (the padded [S, Lp] layout also computed the padding
+    queries', which attend all earlier padding: 79% of the tiles of a CRM micro-batch of 2 x 4
+    rows with 4,096-token answers, bench/packing.py). sdpa and eager (the CPU) keep the [S, Lp]
+    sequences: they compute a dense mask's whole square whatever it allows, so one row would
+    trade S Lp^2 for (ΣL)^2."""
+    if implementation == PACKED_FLEX:
+        input_ids, block, position_ids, index = one_row(input_ids, block, position_ids, index)
+    return input_ids, attention_mask_for(block, implementation), position_ids, index
+
+
 def attention_mask_for(block, implementation):
-    """pack_rows' block ids [S, Lp] as `implementation` reads an attention mask.
-    sdpa: a boolean [S, 1, Lp, Lp], True = attend. eager ADDS its mask to the scores (a boolean
+    """Block ids [S, L] (pack_rows' or one_row's) as `implementation` reads an attention mask.
+    sdpa: a boolean [S, 1, L, L], True = attend. eager ADDS its mask to the scores (a boolean
     would add 1 or 0 and let every token see every other): 0 where allowed, the float32 minimum
     elsewhere. PACKED_FLEX: a FlexAttention BlockMask of the same rule, which lets the kernel
     skip the blocks no query of a tile attends (responses never see each other), built from the
-    packing's segments (packed_block_mask: no [Lp, Lp] tensor). flash-attention
-    kernels take no such mask: refused (train.py checks this before training)."""
+    packing's segments (packed_block_mask: no [L, L] tensor). flash-attention kernels take no
+    such mask: refused (train.py checks this before training)."""
     S, L = block.shape
     if implementation == PACKED_FLEX:
         return packed_block_mask(block)
+    segment, prompt = segments(block)
     positions = torch.arange(L, device=block.device)
-    allowed = sees(block, torch.arange(S, device=block.device)[:, None, None], positions[:, None], positions)
-    allowed = allowed.unsqueeze(1)  # [S, 1, Lp, Lp]
+    allowed = sees(segment, prompt, torch.arange(S, device=block.device)[:, None, None], positions[:, None], positions)
+    allowed = allowed.unsqueeze(1)  # [S, 1, L, L]
     if implementation == "sdpa":
         return allowed
     if implementation == "eager":
@@ -385,41 +437,48 @@ def attention_mask_for(block, implementation):
 
 
 def packed_block_mask(block, tile=128):
-    """The FlexAttention BlockMask of `sees` for pack_rows' block ids [S, Lp], built from the
-    packing's structure instead of evaluating the rule on the [Lp, Lp] square (torch's
-    create_block_mask, uncompiled, materialises [S, 1, Lp, Lp] tensors: ~3 S Lp^2 bytes, 16 GB for
-    one group of 6 x 12k tokens). Memory and time are O(S (Lp / tile)^2).
+    """The FlexAttention BlockMask of `sees` for block ids [S, L] (pack_rows' or one_row's),
+    built from the packing's structure instead of evaluating the rule on the [L, L] square
+    (torch's create_block_mask, uncompiled, materialises [S, 1, L, L] tensors: ~3 S L^2 bytes,
+    16 GB for one group of 6 x 12k tokens). Memory and time are O(S (L / tile)^2).
 
-    Along a sequence the ids are the prompt (-1), responses 0, 1, ... in order, then padding, so
-    with padding renumbered past the last response they never decrease, and a tile of positions
-    is described by its smallest and largest id. For query tile i and key tile j:
-      some key attended  iff j <= i and (the key tile holds prompt positions, or its ids reach the
-                         query tile's smallest id): exact, as tiles are aligned (j < i: every key
-                         precedes every query; j = i: the diagonal holds (q, q))
-      every key attended iff j < i, both are whole tiles, and the key tile is all prompt, or the
-                         query tile lies in one segment s and the key tile's ids are s alone, or
-                         the prompt and s = 0 (the prompt's end and response 0's start; a key tile
-                         of prompt and s > 0 also holds the responses before s, which are non-empty)
-    The tiles where some but not every key is attended are computed with `sees` as the mask_mod.
-    Equal, tile for tile, to create_block_mask's result (tests/test_grpo.py)."""
+    Along a row the segments are numbered in order with none skipped (`segments`), so a tile of
+    positions holds every segment from its smallest to its largest; the prompts never decrease,
+    so a tile's smallest is its first position's. For query tile i (segments q_low .. q_high,
+    prompts p_low .. p_high) and key tile j (segments k_low .. k_high):
+      some key attended  iff j <= i and (k_high >= q_low or the key tile holds p_low): exact, as
+                         tiles are aligned (j = i: the diagonal holds (q, q); j < i: every key
+                         precedes every query, and only the tile's first segment and its first
+                         sequence's prompt can have begun before it)
+      every key attended iff j < i and every key segment is attended by every query: those are
+                         {q_low, p_low} if the query tile is one segment, {p_low} if it is one
+                         sequence, else none; a key tile of two segments is both (k_high - k_low
+                         = 1: the prompt's end and the first response's start)
+    Positions past the row's end form a segment and a sequence of their own, so no tile holding
+    them is full. The tiles where some but not every key is attended are computed with `sees` as
+    the mask_mod. Equal, tile for tile, to create_block_mask's result (tests/test_grpo.py)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     S, L = block.shape
     T = -(-L // tile)
-    ids = torch.where(block == -2, block.max() + 1, block)  # padding: a segment after the last response
-    ids = torch.nn.functional.pad(ids, (0, T * tile - L), value=int(ids.max()) + 1)  # off the end: a segment of its own
-    tiles = ids.view(S, T, tile)
-    low, high = tiles.amin(-1), tiles.amax(-1)  # [S, T]
-    whole = torch.arange(T, device=block.device) < L // tile  # tiles with no position past Lp
+    segment, prompt = segments(block)
+    end = int(segment.max()) + 1  # past the end: a segment and a sequence of their own
+    segment_tiles, prompt_tiles = (torch.nn.functional.pad(t, (0, T * tile - L), value=end).view(S, T, tile)
+                                   for t in (segment, prompt))
+    low, high = segment_tiles.amin(-1), segment_tiles.amax(-1)  # [S, T]
+    p_low, p_high = prompt_tiles.amin(-1), prompt_tiles.amax(-1)  # [S, T]
     qi, kj = torch.arange(T, device=block.device)[:, None], torch.arange(T, device=block.device)[None, :]
-    q_low, q_high, k_low, k_high = low[:, :, None], high[:, :, None], low[:, None, :], high[:, None, :]
-    some = (kj <= qi) & ((k_low == -1) | (k_high >= q_low))  # [S, T, T]
-    own = (q_low == q_high) & (k_high == q_low) & ((k_low == q_low) | ((k_low == -1) & (q_low == 0)))
-    every = (kj < qi) & ((k_high == -1) | own) & whole[:, None] & whole[None, :]
+    q_low, q_high, qp_low, qp_high = low[:, :, None], high[:, :, None], p_low[:, :, None], p_high[:, :, None]
+    k_low, k_high = low[:, None, :], high[:, None, :]
+    some = (kj <= qi) & ((k_high >= q_low) | ((k_low <= qp_low) & (qp_low <= k_high)))  # [S, T, T]
+
+    def by_every_query(k):  # [S, 1, T] key segments -> [S, T, T]: attended by every query of the tile
+        return ((k == qp_low) & (qp_low == qp_high)) | ((k == q_low) & (q_low == q_high))
+    every = (kj < qi) & by_every_query(k_low) & by_every_query(k_high) & (k_high - k_low <= 1)
     partial = some & ~every
 
     def listed(dense):  # [S, T, T] -> per query tile: how many key tiles, which (in order, padded)
         order = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return dense.sum(-1).to(torch.int32)[:, None], order[:, None]
     return BlockMask.from_kv_blocks(*listed(partial), *listed(every), BLOCK_SIZE=tile,
-                                    mask_mod=lambda b, h, q, kv: sees(block, b, q, kv), seq_lengths=(L, L))
+                                    mask_mod=lambda b, h, q, kv: sees(segment, prompt, b, q, kv), seq_lengths=(L, L))

@@ -233,55 +233,146 @@ def tile_sets(mask, tile, length):
             for n, i in ((mask.kv_num_blocks, mask.kv_indices), (mask.full_kv_num_blocks, mask.full_kv_indices))]
 
 
+def random_packing(rng, sequences, prompt_max=300, response_max=400):
+    """pack_rows of `sequences` prompts of 1-prompt_max tokens, each with 1-5 responses of
+    1-response_max tokens."""
+    from grpo import pack_rows
+
+    prompts, responses = [], []
+    for _ in range(sequences):
+        prompt = [rng.randint(3, 50) for _ in range(rng.randint(1, prompt_max))]
+        for _ in range(rng.randint(1, 5)):
+            prompts.append(prompt)
+            responses.append([rng.randint(3, 50) for _ in range(rng.randint(1, response_max))])
+    return pack_rows(prompts, responses, 0)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_packed_block_mask_equals_create_block_mask_tile_for_tile(seed):
     """The block mask built from the packing's segments lists exactly the partial and the full
     tiles that torch's create_block_mask finds by evaluating `sees` on every (q, kv): random
-    packings (1-3 prompts of 1-300 tokens, 1-5 responses of 1-400, padding), tiles of 16-128,
-    lengths not a multiple of the tile."""
+    packings (1-3 prompts of 1-300 tokens, 1-5 responses of 1-400), both as pack_rows pads them
+    ([S, Lp]) and end to end in one row (one_row, the flex layout: the sequences' boundaries fall
+    inside tiles), tiles of 16-128, lengths not a multiple of the tile."""
     import random
 
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from grpo import pack_rows, packed_block_mask, sees
+    from grpo import one_row, packed_block_mask, segments, sees
 
     rng = random.Random(seed)
-    prompts, responses = [], []
-    for _ in range(rng.randint(1, 3)):
-        prompt = [rng.randint(3, 50) for _ in range(rng.randint(1, 300))]
-        for _ in range(rng.randint(1, 5)):
-            prompts.append(prompt)
-            responses.append([rng.randint(3, 50) for _ in range(rng.randint(1, 400))])
-    block = pack_rows(prompts, responses, 0).block
-    S, L = block.shape
-    for tile in (16, 48, 128):
-        ours = packed_block_mask(block, tile)
-        dense = create_block_mask(lambda b, h, q, kv: sees(block, b, q, kv), S, None, L, L, device="cpu",
-                                  BLOCK_SIZE=tile)
-        for mine, theirs in zip(tile_sets(ours, tile, L), tile_sets(dense, tile, L)):
-            assert torch.equal(mine, theirs)
-        assert ours.mask_mod(0, 0, torch.tensor(L - 1), torch.tensor(0))  # the rule itself on the partial tiles
+    p = random_packing(rng, rng.randint(1, 3))
+    for block in (p.block, one_row(p.input_ids, p.block, p.position_ids, p.index)[1]):
+        S, L = block.shape
+        segment, prompt = segments(block)
+        for tile in (16, 48, 128):
+            ours = packed_block_mask(block, tile)
+            dense = create_block_mask(lambda b, h, q, kv: sees(segment, prompt, b, q, kv), S, None, L, L,
+                                      device="cpu", BLOCK_SIZE=tile)
+            for mine, theirs in zip(tile_sets(ours, tile, L), tile_sets(dense, tile, L)):
+                assert torch.equal(mine, theirs)
+            # the rule itself on the partial tiles: the last position sees position 0 (row 0's
+            # first prompt) unless one row holds several sequences
+            last_sees_first = ours.mask_mod(0, 0, torch.tensor(L - 1), torch.tensor(0))
+            assert bool(last_sees_first) == (block is p.block or p.block.shape[0] == 1)
+
+
+def test_one_row_docstring_example():
+    """grpo.one_row's example: sequence 0 ([7] and one response) is padded by 4 in pack_rows'
+    layout; in one row sequence 1 starts at 3, so its indices move back by 4."""
+    from grpo import one_row, pack_rows, segments
+
+    p = pack_rows([[7], [5, 6], [5, 6]], [[4, 2], [8, 2], [9, 9, 2]], pad_id=0)
+    assert p.index.tolist() == [0, 1, 8, 9, 8, 11, 12]
+    ids, block, positions, index = one_row(p.input_ids, p.block, p.position_ids, p.index)
+    assert ids.tolist() == [[7, 4, 2, 5, 6, 8, 2, 9, 9, 2]]
+    assert block.tolist() == [[-1, 0, 0, -1, -1, 0, 0, 1, 1, 1]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 2, 3, 4]]
+    assert index.tolist() == [0, 1, 4, 5, 4, 7, 8]
+    assert ids[0, index].tolist() == p.input_ids.flatten()[p.index].tolist()  # the same tokens predict
+    segment, prompt = segments(block)
+    assert segment.tolist() == [[0, 1, 1, 2, 2, 3, 3, 4, 4, 4]] and prompt.tolist() == [[0, 0, 0, 2, 2, 2, 2, 2, 2, 2]]
+    assert segments(torch.tensor([[-1, -1, 0, 0, 1, -1, 0, 1, 1]]))[1].tolist() == [[0, 0, 0, 0, 0, 3, 3, 3, 3]]
+
+
+def counted_tiles(sequences, tile):
+    """(tiles some query attends, tiles every query attends all of) counted on a dense [L, L]
+    rule written from the rows themselves, for sequences = [(prompt length, [response
+    lengths])] end to end in one row; positions past the end attend nothing (as flex pads)."""
+    owner = []  # per position: (sequence, -1 for its prompt or k for its response k)
+    for s, (prompt, responses) in enumerate(sequences):
+        owner += [(s, -1)] * prompt
+        for k, r in enumerate(responses):
+            owner += [(s, k)] * r
+    L = len(owner)
+    T = -(-L // tile)
+    allowed = torch.zeros(T * tile, T * tile, dtype=torch.bool)
+    for q in range(L):
+        for kv in range(q + 1):
+            allowed[q, kv] = owner[kv][0] == owner[q][0] and owner[kv][1] in (-1, owner[q][1])
+    tiles = allowed.view(T, tile, T, tile).transpose(1, 2)  # [T, T, tile, tile]
+    return int(tiles.any((-1, -2)).sum()), int(tiles.all(-1).all(-1).sum())
+
+
+def test_one_row_block_mask_tiles_by_hand_and_by_a_dense_count():
+    """One row of two sequences, tiles of 2: sequence 0 is a 3-token prompt with responses of 3
+    and 2 tokens (positions 0-7), sequence 1 a 2-token prompt with one of 3 (8-12). The 7 query
+    tiles {0,1} {2,3} {4,5} {6,7} {8,9} {10,11} {12} compute, below the diagonal, the full
+    tiles (1,0) (2,0) (2,1) (3,0) (5,4) and the partial (3,1) (response 1 sees the prompt's 2,
+    not response 0's 3) (6,4) (6,5) (the last tile is cut by the row's end): 5 full, 7 + 3
+    partial; nothing across the sequences. Then random packings in one row against a dense count."""
+    import random
+
+    from grpo import one_row, pack_rows, packed_block_mask
+
+    def counts(block, tile):
+        mask = packed_block_mask(block, tile)
+        full = int(mask.full_kv_num_blocks.sum())
+        return int(mask.kv_num_blocks.sum()) + full, full
+
+    p = pack_rows([[3, 4, 5]] * 2 + [[6, 7]], [[8] * 3, [9] * 2, [10] * 3], pad_id=0)
+    block = one_row(p.input_ids, p.block, p.position_ids, p.index)[1]
+    assert counts(block, 2) == (15, 5) == counted_tiles([(3, [3, 2]), (2, [3])], 2)
+    rng = random.Random(0)
+    for _ in range(4):
+        sequences = [(rng.randint(1, 40), [rng.randint(1, 50) for _ in range(rng.randint(1, 4))])
+                     for _ in range(rng.randint(2, 4))]
+        prompts = [[3 + s] * n for s, (n, rs) in enumerate(sequences) for _ in rs]
+        responses = [[9] * r for _, rs in sequences for r in rs]
+        p = pack_rows(prompts, responses, 0)
+        block = one_row(p.input_ids, p.block, p.position_ids, p.index)[1]
+        for tile in (8, 16):
+            assert counts(block, tile) == counted_tiles(sequences, tile)
 
 
 def test_packed_block_mask_at_32k_tokens_allocates_no_square():
     """One packed group of 32,768 tokens (a 512-token prompt and 6 responses of 5,376): the mask is
     built in a fresh process with a peak RSS rise of a few MB (measured 9.4 MB here); one dense
-    [L, L] boolean alone would be 1,024 MB, and create_block_mask raised it by 10.4 GB."""
+    [L, L] boolean alone would be 1,024 MB, and create_block_mask raised it by 10.4 GB. Then the
+    review's CRM micro-batch (N5) in one row (one_row: 10 sequences, 69,336 tokens; a dense
+    boolean: 4.8 GB) in the same process: a peak rise of 27 MB in all here (its [542, 542] tile
+    tables and their sorts)."""
     code = """
 import resource, torch
-from grpo import pack_rows, packed_block_mask
+from grpo import one_row, pack_rows, packed_block_mask
 block = pack_rows([list(range(3, 515))] * 6, [[7] * 5376] * 6, 0).block
+crm = pack_rows([[5] * 300] * 4 + [[6] * 300] * 4 + [[7 + i] * 400 for i in range(8)], [[9] * 4096] * 16, 0)
+row = one_row(crm.input_ids, crm.block, crm.position_ids, crm.index)[1]
 import torch.nn.attention.flex_attention
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 mask = packed_block_mask(block)
 print(block.shape[1], (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, mask.kv_num_blocks.shape[-1])
+mask = packed_block_mask(row)
+print(row.shape[1], (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, mask.kv_num_blocks.shape[-1])
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    length, rise_mb, tiles = out.stdout.split()
+    (length, rise_mb, tiles), (row_length, row_rise_mb, row_tiles) = (line.split() for line in out.stdout.splitlines())
     assert int(length) == 32768 and int(tiles) == 256
     assert float(rise_mb) < 64, rise_mb
+    assert int(row_length) == 69336 and int(row_tiles) == 542
+    assert float(row_rise_mb) < 64, row_rise_mb
 
 
 # ----------------------------------------------------------------------------- the step loss (policy_loss)
