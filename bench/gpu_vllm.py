@@ -33,9 +33,9 @@ entry a check, each with "pass" (or "skipped" and why, or "error"); exits 1 if a
   memory        train.policy_update, trainer only, at Qwen3-1.7B's shape (8 prompts x 6 rows of
                 4,096 response tokens, the README's one-GPU settings), peak memory measured from
                 the allocation before the model (what earlier checks left is not counted)
-                against docs/GPU.md's estimate (estimate_peak, within 15%); --shapes=4b adds
-                Qwen3-4B at the paper's 12,288 tokens (1 prompt x 6 rows). CPU: a tiny shape,
-                no peak measured.
+                against docs/GPU.md's estimate (training_peak(estimate_peak(..)), within 15%);
+                --shapes=4b adds Qwen3-4B at the paper's 12,288 tokens (1 prompt x 6 rows).
+                CPU: a tiny shape, no peak measured.
 """
 
 import argparse
@@ -90,41 +90,133 @@ def random_qwen3(tokenizer_path, folder, extra_vocab=0):
     return folder
 
 
+VLLM_CAPTURE_TOKENS = 512  # vLLM's largest CUDA-graph capture by default: min(2 x max_num_seqs, 512) tokens
+VLLM_CAPTURE_SIZES = 51  # its default capture sizes up to 512: 1, 2, 4, 8 .. 248 by 8, 256 .. 512 by 16
+VLLM_PER_GRAPH = 2 ** 20  # vLLM's own floor for one FULL graph's memory when it extrapolates the pool
+
+
+def head_phases(tokens, chunk, vocab, hidden, trains_head):
+    """Bytes that grpo.head_logprobs holds beside its inputs and outputs, at the peak of its
+    forward and of its backward: (forward, backward). c = min(tokens, chunk), V = vocab, H = hidden,
+    bf16 autocast, fp32 master weights. Read from the chunk loop and measured on the CPU
+    (tests/test_bench.py, the allocator's events under torch.profiler: equal within 2%):
+      forward   2 B x V x H, the bf16 cast of the head's weight (trains_head: it is fp32), and per
+                chunk entry 10 B when there are several chunks: the previous chunk's fp32 logits
+                are still held while the next one's bf16 product and its fp32 copy are made
+                (8 B with one chunk: logsumexp's one [c, V] temporary, or the entropy's softmax,
+                beside the logits)
+      backward  trains_head: the fp32 weight gradient and the weight's bf16 cast (6 B x V x H),
+                and, at each chunk, the recomputed fp32 logits and their bf16 gradient (6 B an
+                entry) beside the weight gradient's bf16 product and its fp32 copy (6 B x V x H);
+                or, at a chunk change, the previous chunk's 6 B an entry beside the next one's
+                bf16 product and fp32 copy (12 B an entry), whichever is larger. A frozen head
+                (LoRA: bf16 already, no weight gradient): 12 B an entry (6 with one chunk).
+    tokens <= 0: (0, 0)."""
+    if tokens <= 0:
+        return 0, 0
+    c, several = min(tokens, chunk), tokens > chunk
+    forward = (10 if several else 8) * c * vocab + (2 * vocab * hidden if trains_head else 0)
+    entries = (12 if several else 6) * c * vocab
+    if not trains_head:
+        return forward, entries
+    return forward, 6 * vocab * hidden + max(entries, 6 * c * vocab + 6 * vocab * hidden)
+
+
+def vllm_asleep(shape):
+    """An estimate (not measured) of the bytes a sleeping vLLM 0.32 engine keeps on the GPU, the
+    defaults (CUDA graphs on, Model Runner V2). Sleep offloads the "runtime" pool (the state built
+    with the KV cache), drops the KV cache and drops (level 2) or offloads (level 1) the weights
+    pool (vllm/device_allocator/sleep_mode_backend.py 127-137), which also holds what the runner
+    made while loading the model (its sampler's penalty counts, 4 B x max_num_seqs x V). The
+    CUDA-graph pool is offloaded only when it is cuMem's, with sleep_mode_offload_cudagraph, off
+    by default (config/model.py 380, config/vllm.py 688-699). What stays is that pool and the
+    buffers the runner made before loading (input ids and positions, max_num_batched_tokens x
+    13 B: under 1 MB). The pool, from how vLLM sizes it (v1/worker/gpu/cudagraph_utils.py
+    869-990: the first, largest capture allocates the pool, later graphs reuse it):
+      the live intermediates of one layer at the largest capture, 512 tokens x (2 x hidden + 3 x
+      MLP width) x 2 B (the residual, the normed input, gate/up and the activation, bf16)
+      + the manager's output buffer, 512 x hidden x 2 B
+      + 1 MiB for each of the 51 FULL decode graphs (vLLM's own per-graph floor; 51 where
+        max_num_seqs >= 512, as vLLM's default of 1,024 on an H100 or H200).
+    About 0.09 GB at Qwen3-4B, without what the driver keeps for the instantiated graphs. vLLM
+    logs the measured pool at start-up ("Graph capturing finished in .. secs, took .. GiB");
+    that, not this, is the number to trust."""
+    s = SHAPES[shape]
+    h, width = s["hidden_size"], s["intermediate_size"]
+    return VLLM_CAPTURE_TOKENS * (2 * h + 3 * width) * 2 + VLLM_CAPTURE_TOKENS * h * 2 \
+        + VLLM_CAPTURE_SIZES * VLLM_PER_GRAPH
+
+
 def estimate_peak(shape, prompts, per_prompt, prompt_len, response_len, micro, head_chunk=1024, lora_rank=0,
-                  fused_adamw=True):
-    """docs/GPU.md's estimate of the trainer's peak memory on one GPU (bytes by part) for one step
+                  fused_adamw=True, processes=1):
+    """docs/GPU.md's estimate of the trainer's peak memory on a GPU (bytes by part) for one step
     with gradient checkpointing, bf16 autocast, unshared rows, entropy logged, the rollback
-    snapshot in CPU memory. N = response tokens of one micro-batch, L = its row length:
-      states      16 B x parameters: fp32 weights, gradients, AdamW's two moments
-                  (LoRA: 2 B x parameters, the frozen bf16 base, + 16 B x adapter parameters)
+    snapshot in CPU memory, one process or `processes` under FSDP2; training_peak() adds the
+    parts up. N = response tokens of one micro-batch, L = its row length, P = parameters:
+      states      16 B x P / processes: fp32 weights, gradients, AdamW's two moments
+                  (LoRA: 2 B x P, the frozen bf16 base, + 16 B x adapter parameters)
       adamw       the optimizer step's temporary: 0 fused (train.py on CUDA); foreach AdamW
                   allocates a full-size sqrt of the second moments, 4 B x trained parameters
       autocast    the bf16 casts of the fp32 linear weights, cached by autocast for the step's
-                  region (one process; train.py turns the cache off under FSDP): 2 B x linear
+                  region (one process; train.py turns the cache off under FSDP: 0): 2 B x linear
                   parameters (LoRA: the adapters alone; the base is bf16 already)
       residuals   layers x rows x L x hidden x 4 B: checkpointed layer inputs (fp32 under autocast;
                   LoRA: 2 B, the bf16 base's embedding and residual adds are bf16)
       layer       rows x L x (3 x MLP width + 8 x hidden) x 2 B: one layer recomputed in backward
-      head        min(N, head_chunk) x vocabulary x 8 B: one chunk's fp32 logits and one fp32
-                  temporary (grpo.head_logprobs; before it, N x vocabulary x 18 B: bf16 logits,
-                  fp32 log-probs kept for backward, the entropy's log-probs, exp and product)
       head_weight the head's fp32 weight gradient accumulated over the chunks and its bf16 cast,
                   vocabulary x hidden x (4 + 2) B (LoRA: 0, the bf16 head is frozen)
+      head        what the head's chunk loop holds besides head_weight at its peak (head_phases),
+                  c = min(N, head_chunk): full training, in backward, the larger of 6 B x c x
+                  vocabulary + 6 B x vocabulary x hidden (the weight gradient's bf16 product and
+                  its fp32 copy) and 12 B x c x vocabulary: 3.3 GB at Qwen3-4B; LoRA 12 B x c x
+                  vocabulary (one chunk: 8 B, the forward's). The forward holds 10 B an entry,
+                  less. (Before chunking: N x vocabulary x 18 B.)
+      fsdp_gathered  processes > 1: the root's parameters (embedding = tied head, final norm)
+                  and one decoder layer's, gathered: 4 B each (LoRA's bf16 base: 2 B). FSDP2 does
+                  not reshard the root after forward (torch/distributed/fsdp/_fully_shard/
+                  _fsdp_state.py 203-207). Not counted: the next layer's prefetch and a layer's
+                  reduce-scatter input, 4 B x a layer's parameters each (0.4 GB at 4B).
+      fsdp_root_grad processes > 1: the root's unsharded fp32 gradient, 4 B x the root's
+                  parameters (1.6 GB at 4B): it is the head's weight gradient, kept on the
+                  unsharded parameter until the root's post-backward reduce-scatter at the end
+                  of backward (_fsdp_param_group.py 588-630), so it is there while the layers
+                  are recomputed; in one process it is added into the gradient of `states`
+      vllm_asleep a sleeping vLLM engine in the same process (vllm_asleep(): its CUDA-graph pool;
+                  an estimate): not the trainer's, and not counted by training_peak
     lora_rank r > 0: adapters on every linear layer of the decoder, r x (in + out) each."""
     s = SHAPES[shape]
     h, layers, width, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
     q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     attention = h * s["head_dim"] * (s["num_attention_heads"] * 2 + s["num_key_value_heads"] * 2)
     linear = layers * (attention + 3 * h * width)
-    params = vocab * h + linear + layers * (2 * h + 2 * s["head_dim"]) + h
+    layer = attention + 3 * h * width + 2 * h + 2 * s["head_dim"]  # a decoder layer's parameters
+    root = vocab * h + h  # the embedding (the tied head) and the final norm
+    params = root + layers * layer
     adapters = lora_rank * layers * (2 * (h + q) + 2 * (h + kv) + 3 * (h + width))  # q, o; k, v; gate, up, down
     length, tokens = prompt_len + response_len, micro * response_len
     trained = adapters if lora_rank else params
-    return {"states": 2 * params + 16 * adapters if lora_rank else 16 * params,
-            "adamw": 0 if fused_adamw else 4 * trained, "autocast": 2 * (adapters if lora_rank else linear),
+    sharded = processes > 1
+    forward, backward = head_phases(tokens, head_chunk, vocab, h, trains_head=not lora_rank)
+    head_weight = 0 if lora_rank else 6 * vocab * h
+    return {"states": (2 * params + 16 * adapters if lora_rank else 16 * params) // processes,
+            "adamw": 0 if fused_adamw else 4 * trained // processes,
+            "autocast": 0 if sharded else 2 * (adapters if lora_rank else linear),
             "residuals": layers * micro * length * h * (2 if lora_rank else 4),
-            "layer": micro * length * (3 * width + 8 * h) * 2, "head": min(tokens, head_chunk) * vocab * 8,
-            "head_weight": 0 if lora_rank else 6 * vocab * h, "parameters": params, "lora_parameters": adapters}
+            "layer": micro * length * (3 * width + 8 * h) * 2,
+            "head_weight": head_weight, "head": max(forward, backward) - head_weight,
+            "fsdp_gathered": (2 if lora_rank else 4) * (root + layer) if sharded else 0,
+            "fsdp_root_grad": 4 * root if sharded and not lora_rank else 0,
+            "vllm_asleep": vllm_asleep(shape), "parameters": params, "lora_parameters": adapters}
+
+
+def training_peak(est):
+    """The trainer's peak from estimate_peak's parts: what is held through backward (states,
+    AdamW's temporary, the autocast cache, the checkpointed inputs, FSDP's gathered root and
+    layer) plus the larger of two moments that do not overlap: the head's backward (head +
+    head_weight) and a layer's recompute (layer, with the root's unsharded gradient under
+    FSDP). The sleeping engine (vllm_asleep) is not the trainer's."""
+    held = est["states"] + est["adamw"] + est["autocast"] + est["residuals"] + est["fsdp_gathered"]
+    return held + max(est["head"] + est["head_weight"], est["layer"] + est["fsdp_root_grad"])
 
 
 def check_versions(device):
@@ -421,10 +513,10 @@ def check_memory(device, shape):
     t = time.perf_counter()
     update = train.policy_update(model, None, optimizer, rows, cfg, pad_id=0)
     seconds = time.perf_counter() - t
-    total = sum(v for k, v in estimate.items() if k not in ("parameters", "lora_parameters"))
+    total = training_peak(estimate)  # the trainer alone: no engine sleeps beside this probe's model
     out = {"shape": shape, "rows": len(rows), "response_tokens": response_len, "micro_batch_size": micro,
            "parameters": estimate["parameters"], "estimate_gib": {k: v / GiB for k, v in estimate.items()
-                                                                  if k != "parameters"},
+                                                                  if k not in ("parameters", "lora_parameters")},
            "estimate_total_gib": total / GiB, "seconds": seconds, "finite": update.finite}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) - baseline

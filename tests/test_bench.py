@@ -36,12 +36,12 @@ def test_gpu_vllm_check_runs_on_the_cpu(tmp_path):
 def test_memory_estimate_counts_the_models_parameters():
     """bench/gpu_vllm.estimate_peak's parameter count equals the model transformers builds at
     that shape (on the meta device: no memory), and its parts follow the formulas of its
-    docstring (docs/GPU.md): 16 B a parameter, fp32 checkpointed residuals, 8 B a head entry of one chunk."""
+    docstring (docs/GPU.md): 16 B a parameter, fp32 checkpointed residuals, the head's backward."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from gpu_vllm import estimate_peak, qwen3_config
+    from gpu_vllm import estimate_peak, qwen3_config, training_peak
 
     for shape, billions in (("1.7b", 1.72), ("4b", 4.02)):
         with torch.device("meta"):
@@ -56,22 +56,29 @@ def test_memory_estimate_counts_the_models_parameters():
         assert est["adamw"] == 0 and estimate_peak(shape, 1, 6, 200, 12288, 1, fused_adamw=False)["adamw"] == 4 * count
     est = estimate_peak("4b", 1, 6, 200, 12288, 1)
     assert round(est["autocast"] / 1e9, 1) == 7.3 and round(est["head_weight"] / 1e9, 2) == 2.33  # review D1: 7.3; 1.56 + 0.78
-    total = sum(v for k, v in est.items() if k not in ("parameters", "lora_parameters"))
-    assert 80e9 <= total <= 83e9  # review D1's corrected one-GPU peak for 4B: about 80-83 GB (the page said 71.4)
     assert est["residuals"] == 36 * 12488 * 2560 * 4  # layers x L x hidden x fp32
-    assert est["head"] == 1024 * 151936 * 8  # one chunk: 1.2 GB (the whole row's logits took 33.6 GB)
-    assert estimate_peak("4b", 1, 6, 200, 500, 1)["head"] == 500 * 151936 * 8  # fewer tokens than a chunk
+    # the head's backward, 1,024-token chunks: 6 B an entry (fp32 logits, bf16 gradient) beside the
+    # weight gradient's bf16 product and fp32 copy (6 B x V x H), larger than 12 B an entry at a chunk change
+    assert est["head"] == (6 * 1024 + 6 * 2560) * 151936 == 3_267_231_744  # was 8 B an entry: 1.2 GB
+    assert estimate_peak("4b", 1, 6, 200, 500, 1)["head"] == (6 * 500 + 6 * 2560) * 151936  # one chunk
+    # held through backward + the head's backward (it outweighs the recomputed layer, 1.2 GB)
+    assert training_peak(est) == est["states"] + est["autocast"] + est["residuals"] + 2 * 2560 * 151936 * 6 \
+        + 6 * 1024 * 151936
+    assert 81e9 <= training_peak(est) <= 82e9  # review D1's corrected one-GPU peak was about 80-83 GB
+    est["vllm_asleep"] *= 10
+    assert training_peak(est) == training_peak(estimate_peak("4b", 1, 6, 200, 12288, 1))  # not the trainer's
 
 
 def test_lora_memory_estimate_counts_the_adapters_peft_injects():
     """estimate_peak(lora_rank=r)'s adapter count equals what lora.add_adapters puts on that shape
-    (meta device), and the states are the bf16 base plus 16 B an adapter parameter."""
+    (meta device), and the states are the bf16 base plus 16 B an adapter parameter; the frozen
+    bf16 head holds 12 B an entry of a chunk in backward (the forward's 10 B is less)."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import lora
-    from gpu_vllm import estimate_peak, qwen3_config
+    from gpu_vllm import estimate_peak, qwen3_config, training_peak
 
     with torch.device("meta"):
         model = lora.add_adapters(Qwen3ForCausalLM(qwen3_config("4b")), 32, 32, base_dtype=torch.bfloat16)
@@ -81,6 +88,89 @@ def test_lora_memory_estimate_counts_the_adapters_peft_injects():
     assert est["states"] == 2 * est["parameters"] + 16 * adapters
     assert est["autocast"] == 2 * adapters and est["head_weight"] == 0  # the base and its head are bf16 and frozen
     assert est["residuals"] * 2 == estimate_peak("4b", 1, 6, 200, 12288, 1)["residuals"]
+    assert est["head"] == 12 * 1024 * 151936  # 1.9 GB, was 8 B an entry (1.2 GB)
+    assert est["head"] > est["layer"]  # 1.9 against 1.2 GB: the head's backward makes the peak
+    assert training_peak(est) == est["states"] + est["autocast"] + est["residuals"] + est["head"]
+    assert round(training_peak(est) / 1e9, 1) == 13.4  # docs/GPU.md
+
+
+def test_memory_estimate_under_fsdp_counts_the_roots_gradient():
+    """estimate_peak(processes=N): the states shard N ways, autocast's cache is off, and what
+    FSDP2's root keeps whole (dist.shard wraps each decoder layer, then the model: the root holds
+    what no layer holds, counted here on the meta model) is there gathered in fp32 beside one
+    layer, and its unsharded fp32 gradient (1.6 GB at 4B) while the layers are recomputed."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpu_vllm import estimate_peak, qwen3_config, training_peak
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(qwen3_config("4b"))
+    in_layers = {id(p) for p in model.model.layers.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)  # embedding (= head), final norm
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert root == 151936 * 2560 + 2560
+    one, eight = estimate_peak("4b", 1, 6, 200, 12288, 1), estimate_peak("4b", 1, 6, 200, 12288, 1, processes=8)
+    assert eight["states"] == one["states"] // 8 and eight["autocast"] == 0
+    assert eight["fsdp_root_grad"] == 4 * root == 1_555_834_880 and one["fsdp_root_grad"] == 0
+    assert eight["fsdp_gathered"] == 4 * (root + layer) and one["fsdp_gathered"] == 0
+    held = eight["states"] + eight["residuals"] + eight["fsdp_gathered"]
+    assert training_peak(eight) == held + max(eight["head"] + eight["head_weight"], eight["layer"] + 4 * root)
+    assert round(training_peak(eight) / 1e9, 1) == 20.2  # docs/GPU.md, 8 x 80 GB
+    lora = estimate_peak("4b", 1, 6, 200, 12288, 1, lora_rank=32, processes=8)
+    assert lora["fsdp_root_grad"] == 0 and lora["fsdp_gathered"] == 2 * (root + layer)  # a frozen bf16 root
+
+
+def test_vllm_asleep_estimate_is_the_graph_pool_of_the_default_capture_sizes():
+    """gpu_vllm.vllm_asleep: vLLM 0.32's default capture sizes (config/vllm.py: 1, 2, 4, then by 8
+    below 256 and by 16 up to min(2 x max_num_seqs, 512)) are 51, up to 512 tokens; the pool is one
+    layer's live bf16 intermediates at 512 tokens, the output buffer and 1 MiB a FULL graph."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_vllm
+
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, min(2 * 1024, 512) + 1, 16))
+    assert len(sizes) == gpu_vllm.VLLM_CAPTURE_SIZES == 51 and sizes[-1] == gpu_vllm.VLLM_CAPTURE_TOKENS
+    assert gpu_vllm.vllm_asleep("4b") == 512 * (2 * 2560 + 3 * 9728) * 2 + 512 * 2560 * 2 + 51 * 2 ** 20 == 91_226_112
+
+
+def test_head_memory_formula_matches_a_cpu_measurement():
+    """gpu_vllm.head_phases against the CPU allocator's own events (torch.profiler, profile_memory)
+    while grpo.head_logprobs runs forward and backward under bf16 autocast: the peak above what
+    was held before is the formula's within 2%, for a trained fp32 head over several chunks and a
+    frozen bf16 head (LoRA) in one chunk."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import grpo
+    from gpu_vllm import head_phases
+
+    def peak(fn):  # the largest sum of the allocations and frees recorded while fn runs
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        now = top = 0
+        for e in events:
+            now += e.nbytes()
+            top = max(top, now)
+        return top
+
+    V, H = 32000, 128
+    for tokens, chunk, trains in ((1024, 256, True), (200, 256, False)):
+        torch.manual_seed(0)
+        hidden = torch.randn(tokens, H, requires_grad=True)
+        weight = torch.randn(V, H) * 0.02
+        weight = weight.requires_grad_() if trains else weight.to(torch.bfloat16)
+        targets, out = torch.randint(0, V, (tokens,)), {}
+
+        def forward():
+            with torch.autocast("cpu", torch.bfloat16):
+                out["logp"] = grpo.head_logprobs(hidden, weight, targets, 0.7, chunk, with_entropy=True)[0]
+        measured = peak(forward), peak(lambda: out["logp"].sum().backward())
+        for m, formula in zip(measured, head_phases(tokens, chunk, V, H, trains)):
+            assert formula <= m <= 1.02 * formula, (tokens, chunk, trains, measured, formula)
 
 
 def test_head_bench_runs_and_agrees():
@@ -151,3 +241,26 @@ def test_gpu_features_runs_on_the_cpu():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "PASS" and "R 64: packed" in proc.stdout
+
+
+def test_packing_bench_counts_the_reviews_example_and_the_default_runs_groups():
+    """bench/packing.py: pack_rows' padded layout of the review's CRM micro-batch (N5) has the
+    review's counts (58% of 166,840 tokens padding; 40,280 of 50,804 tiles for padding queries);
+    one row has neither. On the default run's groups the training pass is unchanged (one
+    sequence a forward) and the CRM pass loses its padding."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import packing
+
+    (prompts, responses), = packing.review_example()
+    counts = packing.work(prompts, responses)
+    assert counts["before"] == (166840, 97504, 50804, 40280)  # tokens, padding tokens, tiles, padding-query tiles
+    assert counts["after"] == (69336, 0, 10552, 0)
+    proc = subprocess.run([sys.executable, "bench/packing.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    cells = [line.split()[-6:] for line in lines[1:7]]  # layout, tokens, padding, tiles, padding-query tiles (2)
+    assert [c[0] for c in cells] == ["before", "after"] * 3
+    training, crm = cells[2:4], cells[4:6]
+    assert training[0][1:] == training[1][1:] and training[0][2] == "0.0%"
+    assert crm[0][2] != "0.0%" and crm[1][2] == "0.0%" and crm[1][-2:] == ["0", "(0.0%)"]
+    assert int(crm[1][3].replace(",", "")) < int(crm[0][3].replace(",", ""))
