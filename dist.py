@@ -9,9 +9,24 @@ torch.distributed.
 The loss convention the sharding relies on: each rank divides its loss by the token count of
 the WHOLE step (all ranks, all micro-batches; `all_sum` of the local counts), so the step's
 gradient is the SUM of the ranks' gradients, never their mean (see `shard`).
+
+Failures: a rank that fails must not leave the others waiting in a collective (train.py sets
+the timeout to a day). Where the ranks follow one protocol, the error travels in the protocol's
+own object collective and every rank raises RankError naming it ("rank 1 failed: ValueError:
+..."): shared_map / serve / leading (GEPA's answer calls and the round around them) and section
+(a block that may fail on some ranks only, e.g. rank 0 writing a checkpoint). Anywhere else
+(the step's tensor collectives, rank 0's logging between them), share_failure records the first
+error in the group's store and the failing process leaves the group (train.py's teardown): a
+rank waiting in a gloo collective gets "Connection closed by peer" at once, and share_failure
+turns that into RankError naming the first error. On NCCL a waiting collective does not notice
+that a peer left: torchrun's agent ends the waiting ranks once the failing process has exited
+(SIGTERM, which train.py's StopSignal defers, then SIGKILL 30 s later), and its summary names the
+first failure.
 """
 
+import contextlib
 import os
+import pickle
 from datetime import timedelta
 
 import torch
@@ -148,29 +163,144 @@ def unsplit(parts):
     return out
 
 
+class RankError(RuntimeError):
+    """One rank's error, raised again on every rank that learned of it; the message names the
+    rank and the original error ("rank 1 failed: ValueError: bad item"). shared_map, serve,
+    leading and section raise it on every rank at the same point (after the same collective),
+    so it needs no further announcing."""
+
+
+def _failure(error):
+    """This rank's `error` as a RankError, small and picklable: what an object collective carries."""
+    return RankError(f"rank {rank()} failed: {type(error).__name__}: {error}")
+
+
+def _raise_failures(parts, error=None):
+    """RankError naming every failure among the ranks' gathered `parts` (chained to this rank's
+    own `error`, if it is one of them); nothing when there is none."""
+    failures = [str(p) for p in parts if isinstance(p, RankError)]
+    if failures:
+        raise RankError("; ".join(failures)) from error
+
+
+def _gather_shares(fn, share):
+    """Every rank's fn(share), in rank order. A rank whose fn raises still takes part in the
+    gather, sending its error instead of results; then every rank raises RankError naming it, so
+    no rank is left waiting for another's results."""
+    error = None
+    try:
+        mine = fn(share)
+        pickle.dumps(mine)  # results that cannot be sent fail here, as this rank's error, not inside the gather
+    except BaseException as e:  # KeyboardInterrupt too: the others wait for this rank's part
+        error, mine = e, _failure(e)
+    parts = gather_objects(mine)
+    _raise_failures(parts, error)
+    return parts
+
+
 def shared_map(fn, items):
-    """fn(items) computed by every rank together, called on rank 0 while the others are in
-    serve(fn): each rank takes items[rank::world] (split: shares differ by one item at most), and
-    rank 0 gets the results back in the order of `items`. fn maps a list to a list of as many
-    results, each a function of its own item alone (e.g. greedy answers: then the result is the
-    one-process one). A single process: fn(items)."""
+    """fn(items) computed by every rank together, called on rank 0 inside leading() while the
+    others are in serve(fn): each rank takes items[rank::world] (split: shares differ by one item
+    at most), and rank 0 gets the results back in the order of `items`. fn maps a list to a list
+    of as many results, each a function of its own item alone (e.g. greedy answers: then the
+    result is the one-process one). If fn raises on any rank, every rank raises RankError naming
+    it (and the others leave serve). A single process: fn(items)."""
     if not active():
         return fn(items)
     broadcast_object(list(items))
-    return unsplit(gather_objects(fn(split(items, 0, world()))))
+    return unsplit(_gather_shares(fn, split(items, 0, world())))
 
 
 def serve(fn):
-    """Ranks > 0: compute their share of every rank-0 shared_map(fn, ...) until rank 0 calls
-    release()."""
+    """Ranks > 0: compute their share of every rank-0 shared_map(fn, ...) until rank 0's
+    leading() block ends. Raises RankError when that block fails on rank 0, or when a share
+    fails on any rank."""
     while (items := broadcast_object(None)) is not None:
-        gather_objects(fn(split(items, rank(), world())))
+        if isinstance(items, RankError):  # rank 0 failed between two calls
+            raise items
+        _gather_shares(fn, split(items, rank(), world()))
 
 
 def release():
-    """Rank 0: the ranks in serve() return (a no-op in a single process)."""
+    """Rank 0: the ranks in serve() return (a no-op in a single process). leading() calls it."""
     if active():
         broadcast_object(None)
+
+
+@contextlib.contextmanager
+def leading():
+    """Rank 0's side of serve(): the block may call shared_map any number of times while the
+    other ranks serve; when it ends they return from serve(). When it raises, the serving ranks
+    raise RankError naming its error and rank 0 raises the error itself (a RankError from a
+    shared_map call: every rank raised it already, nothing more is sent).
+
+        if dist.is_main():
+            with dist.leading():
+                result = search(...)  # calls dist.shared_map(answer, prompts)
+        else:
+            dist.serve(answer)
+    """
+    try:
+        yield
+    except BaseException as e:
+        if active() and not isinstance(e, RankError):
+            with contextlib.suppress(Exception):  # a broadcast to ranks already gone fails: `e` is the error to raise
+                broadcast_object(_failure(e))  # between calls the others wait in serve()'s broadcast
+        raise
+    release()
+
+
+@contextlib.contextmanager
+def section():
+    """A block that may fail on some ranks only (e.g. rank 0 writing a checkpoint's files),
+    ended by every rank together: each sends None or its error in one object collective (a
+    barrier that carries errors), and if any rank failed, every rank raises RankError naming it
+    (on the failing rank, chained to its own error). The block must not call collectives: a rank
+    that failed early would skip them. A single process: the block, its error unchanged.
+
+        with dist.section():
+            if dist.is_main():
+                save(weights, folder)  # OSError on rank 0: RankError on every rank
+    """
+    error = None
+    try:
+        yield
+    except BaseException as e:
+        if not active():
+            raise
+        error = e
+    _raise_failures(gather_objects(None if error is None else _failure(error)), error)
+
+
+FIRST_FAILURE = "dist/first_failure"  # the store key share_failure writes
+
+
+def share_failure(error):
+    """Call where an error ends this rank's run (in the `except` that re-raises it, before the
+    process group is torn down): the first failure of the run is recorded in the group's store
+    (under torchrun its agent holds the store, so the record outlives the failing process). A
+    rank whose error came after another rank's is seen as its consequence, typically gloo's
+    "Connection closed by peer" once the failing process left the group: RankError naming the
+    first failure is raised instead, chained to this rank's error. A RankError (every rank
+    raised it already) and a single process: nothing to do.
+
+        try:
+            loop()
+        except BaseException as e:
+            dist.share_failure(e)
+            raise
+        finally:
+            dist.teardown()
+    """
+    if not active() or isinstance(error, RankError):
+        return
+    mine = str(_failure(error))
+    try:  # the store init_process_group made (torch has no public getter); compare_set: the first writer wins
+        first = dist.distributed_c10d._get_default_store().compare_set(FIRST_FAILURE, "", mine).decode()
+    except Exception:  # no store to reach (its host is gone): this rank's own error stands
+        return
+    if first != mine:
+        raise RankError(first) from error
 
 
 def shard(model, reshard_after_forward=True, forward_methods=()):

@@ -107,35 +107,38 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
                 torch.save(trainer, os.path.join(tmp, "trainer.pt"))
         link_checkpoint(run_dir, "latest", step)
         return path
+    # Each dist.section() ends on every rank together, like a barrier; a file that fails to be
+    # written on any rank ends every rank with that error instead of leaving them waiting.
     own_file = f"rank-{dist.rank()}.pt"
     if os.path.isdir(path):  # one file system: every rank sees the same folders
-        write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))
-        dist.barrier()
-        if dist.is_main():
-            write_train_config(path, trainer["config"])
-            write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
+        with dist.section():
+            write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))
+        with dist.section():
+            if dist.is_main():
+                write_train_config(path, trainer["config"])
+                write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
+                link_checkpoint(run_dir, "latest", step)
     else:
         adapted = lora.is_lora(policy)  # a collective either way; rank 0 writes them, from CPU memory
         weights = lora.adapter_state(policy) if adapted else dist.full_state_dict(policy, main_only=True)
         tmp = os.path.join(run_dir, f".partial-{name}")  # a name every rank knows
-        if dist.is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        dist.barrier()
-        torch.save(own, os.path.join(tmp, own_file))
-        dist.barrier()
-        if dist.is_main():
-            if adapted:
-                lora.save_adapter(policy, weights, tmp)
-            else:
-                save_model(policy, weights, tmp)
-            tokenizer.save_pretrained(tmp)
-            write_train_config(tmp, trainer["config"])
-            torch.save(trainer, os.path.join(tmp, "trainer.pt"))
-            os.rename(tmp, path)
-    if dist.is_main():
-        link_checkpoint(run_dir, "latest", step)
-    dist.barrier()
+        with dist.section():
+            if dist.is_main():
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+        with dist.section():
+            torch.save(own, os.path.join(tmp, own_file))
+        with dist.section():
+            if dist.is_main():
+                if adapted:
+                    lora.save_adapter(policy, weights, tmp)
+                else:
+                    save_model(policy, weights, tmp)
+                tokenizer.save_pretrained(tmp)
+                write_train_config(tmp, trainer["config"])
+                torch.save(trainer, os.path.join(tmp, "trainer.pt"))
+                os.rename(tmp, path)
+                link_checkpoint(run_dir, "latest", step)
     return path
 
 

@@ -685,22 +685,20 @@ def end_epoch(run, search=True):
     self_ref = due and run.reflector is None and cfg.reflector == "init"  # the policy goes back after each reflection
     weights, initial = self_ref_weights(run) if self_ref else (None, None)
     if run.is_main and cfg.algo == "p2o":
-        summary, result = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}, None
-        if due:
-            tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
-            try:
+        with dist.leading():  # the other ranks answer until rank 0's part ends; if it fails, they raise its error
+            summary, result = {"epoch": state.epoch, "hard": len(state.hard_now), "ran": False}, None
+            if due:
+                tqdm.write(f"epoch {state.epoch}: {len(state.hard_now)} hard prompts -> GEPA")
                 reflector = run.reflector or make_reflector(cfg, run.engine, run.model_path, weights, state.counts,
                                                             initial)
                 result = gepa_round(cfg, state.epoch, [run.by_id[i] for i in state.hard_now], run.engine,
                                     reflector, state.counts, run.reward_fn)
-            finally:
-                dist.release()  # the other ranks stop answering (also when the round failed)
-            summary.update(ran=True, seconds=time.perf_counter() - t, **result.summary())
-            tqdm.write(f"GEPA: {json.dumps(summary)}")
-        run.log.gepa(state.epoch, state.step, len(state.hard_now), result)
-        state.assignment = result.assignment if result else {}
-        state.gepa_history.append(summary)
-    elif due:
+                summary.update(ran=True, seconds=time.perf_counter() - t, **result.summary())
+                tqdm.write(f"GEPA: {json.dumps(summary)}")
+            run.log.gepa(state.epoch, state.step, len(state.hard_now), result)
+            state.assignment = result.assignment if result else {}
+            state.gepa_history.append(summary)
+    elif cfg.algo == "p2o":
         dist.serve(greedy_answers(run.engine, cfg.max_tokens))  # this rank's share of each of rank 0's answer calls
     state.hard_now, state.epoch = {}, state.epoch + 1
     for key, value in dist.broadcast_object(fields_of(state)).items():  # rank 0's, on every rank
@@ -932,14 +930,17 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
         if run.dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
             dev_eval(run)
             records = run.log.dev_records() if is_main else []
+    except BaseException as e:
+        dist.share_failure(e)  # the other ranks' errors name this one, or this rank's names an earlier one's
+        raise
     finally:
         bar.close()
-        if run.log:
-            run.log.close()
-        stop.restore()
         if dist.active() and hasattr(run.engine, "close"):  # vLLM's subgroups go before the group itself
             run.engine.close()
-        dist.teardown()
+        dist.teardown()  # before the log's upload: a rank that failed leaves the group, and the others learn at once
+        if run.log:
+            run.log.close()
+        stop.restore()  # last: torchrun's SIGTERM, sent when another rank exits, must not cut this rank's cleanup short
     if is_main:
         print_summary(run.run_dir, state.counts, generated_tokens(state.counts), state.gepa_history, records,
                       len(run.dev_set))

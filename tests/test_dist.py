@@ -1,10 +1,13 @@
-"""dist.py: a PPO-clip SGD step on 2 FSDP2 ranks (torchrun, gloo) equals the single-process step; the collectives; identity in one process."""
+"""dist.py: a PPO-clip SGD step on 2 FSDP2 ranks (torchrun, gloo) equals the single-process step; the collectives;
+identity in one process; a rank that fails ends every rank at once, with its error."""
 
 import json
 import os
 import random
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from dist_child import batch_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "dist_child.py")
+FAIL_CHILD = os.path.join(ROOT, "tests", "dist_fail_child.py")
 LR = 0.1
 # float32 throughout; the two runs differ only in summation order (per-rank partial sums,
 # different padding widths): measured max |diff| 4.5e-8 on gradients (largest 0.18) and 6e-8 on
@@ -151,6 +155,12 @@ def test_single_process_is_identity(monkeypatch):
     assert dist.broadcast_object("x") == "x"
     items = list(range(7))
     assert dist.split(items, 0, 1) == items
+    assert dist.shared_map(lambda xs: [x * x for x in xs], items) == [x * x for x in items]
+    with dist.leading(), dist.section():
+        pass
+    with pytest.raises(ValueError, match="^its own error$"), dist.section():
+        raise ValueError("its own error")
+    assert dist.share_failure(ValueError("alone")) is None
     assert dist.split(items, 1, 3) == [1, 4]
     model = tiny_model()
     assert dist.shard(model) is model
@@ -164,3 +174,79 @@ def test_single_process_is_identity(monkeypatch):
     clipped = total_norm({name: p.grad for name, p in model.named_parameters()})
     assert clipped == pytest.approx(0.01, rel=1e-4)
     dist.teardown()
+
+
+# dist_fail_child.py's scenarios: the rank that fails and its error, as the last line of a traceback shows it
+FAILURES = {
+    "share0": (0, "ValueError: planted failure: rank 0's share of an answer call"),
+    "share1": (1, "ValueError: planted failure: rank 1's share of an answer call"),
+    "lead0": (0, "ValueError: planted failure: rank 0 between two answer calls"),
+    "checkpoint0": (0, "OSError: planted failure: rank 0 writing a checkpoint's weights"),
+    "checkpoint1": (1, "OSError: planted failure: rank 1 writing its own checkpoint file"),
+    "between0": (0, "ValueError: planted failure: rank 0 between two collectives"),
+    "between1": (1, "ValueError: planted failure: rank 1 between two collectives"),
+}
+# A rank left waiting would wait for the group's timeout, a day. Once every process has loaded,
+# the scenarios take milliseconds: what a process needs after the go is the failure reaching it
+# and its exit, 14 interpreters exiting at once. Measured on 2 cores shared with other jobs (load
+# 10-13): each process ended 5-12 s after the go (1-4 s with one scenario alone), the whole test
+# took 24-46 s.
+FAIL_SECONDS = 20  # from the go to each process's end
+DEADLINE_SECONDS = 90  # the whole test, loading 14 processes that import torch included
+
+
+def start_ranks(name, folder):
+    """The 2 processes of one scenario, started as torchrun starts its workers (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, the store held by the launcher, here this test, so that it outlives a
+    failing rank) but without torchrun's agent, which ends the other ranks once one exits: here
+    each process has to end by itself. -> (the store, the processes); each process's stderr
+    goes to FOLDER/rank-R.err."""
+    folder.mkdir()
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               TORCHELASTIC_USE_AGENT_STORE="True", PYTHONPATH=ROOT)
+    procs = []
+    for r in range(2):
+        with open(folder / f"rank-{r}.err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, FAIL_CHILD, name, str(folder)], cwd=ROOT,
+                                          stdout=subprocess.DEVNULL, stderr=err,
+                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+    return store, procs
+
+
+def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
+    """Each rank fails in turn in an answer call's share, in rank 0's GEPA round between calls, in
+    writing a checkpoint after the weights' gather, and between two collectives of a step: every
+    process ends by itself, with exit code 1 and an error whose last line names the original
+    error (on the other rank: as "rank R failed: <error>"), within FAIL_SECONDS of the go that
+    starts every scenario at once."""
+    started = time.monotonic()
+    stores, procs = [], {}
+    for name in FAILURES:
+        store, pair = start_ranks(name, tmp_path / name)
+        stores.append(store)
+        procs.update({(name, rank): proc for rank, proc in enumerate(pair)})
+    ended = {}  # (scenario, rank) -> seconds from the go to its process's end, as seen by polling
+    try:
+        for store in stores:  # every process loaded and in its process group
+            store.wait(["ready-0", "ready-1"], timedelta(seconds=DEADLINE_SECONDS))
+        go = time.monotonic()
+        for store in stores:
+            store.set("go", "")
+        while len(ended) < len(procs) and time.monotonic() - started < DEADLINE_SECONDS:
+            ended.update({key: time.monotonic() - go for key, proc in procs.items()
+                          if key not in ended and proc.poll() is not None})
+            time.sleep(0.05)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    assert ended.keys() == procs.keys(), f"after {DEADLINE_SECONDS} s: {sorted(procs.keys() - ended.keys())} running"
+    for (name, rank), seconds in ended.items():
+        failing, error = FAILURES[name]
+        err = (tmp_path / name / f"rank-{rank}.err").read_text()
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        named = last.endswith(f"RankError: rank {failing} failed: {error}") or rank == failing and last.endswith(error)
+        code = procs[name, rank].returncode
+        assert code == 1 and named, f"{name}, rank {rank}: exit {code}\n{err[-3000:]}"
+        assert seconds < FAIL_SECONDS, f"{name}, rank {rank}: ended {seconds:.1f} s after the go"
