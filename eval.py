@@ -11,8 +11,9 @@ always reported. pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over
 (Chen et al. 2021); maj@k is majority voting over the k samples' answers (majority_reward).
 Rows are also broken down by their `source` (the built-in task's levels).
 
-A LoRA run's checkpoint (a PEFT adapter folder) is first merged into its base (lora.merged_folder,
-once, cached). A run's checkpoint or export (runs/<run>/latest, export-NNNNNN) is evaluated as it was trained:
+A LoRA run's checkpoint (a PEFT adapter folder) or export is served on vLLM as its base with the
+adapters as vLLM's LoRA, unmerged, as training sampled it; the HF backend merges it into its base
+in fp32 (lora.merged_folder, once, cached). A run's checkpoint or export (runs/<run>/latest, export-NNNNNN) is evaluated as it was trained:
 its prompt format, chat-template arguments, max_tokens, temperature and top_p come from the
 folder's train_config.json unless given as flags, and the line "settings of the run that
 trained ..." says what was taken. vLLM's context is the longest prompt + --max_tokens: no answer
@@ -34,6 +35,7 @@ from collections import defaultdict
 import torch
 
 import dist
+import lora
 from config import chat_template_kwargs, default_engine_dtype, reward_scorer
 from data import DataError, load_jsonl
 from gepa import read_seed_templates
@@ -285,16 +287,24 @@ def load_inputs(args):
 
 
 def make_engine(args, benchmarks, template, chat_kwargs, rank):
-    """One engine a process (torchrun: one a rank), its context sized for every benchmark."""
-    model_path = resolve_model(args.model)
+    """One engine a process (torchrun: one a rank), its context sized for every benchmark. A LoRA
+    run's checkpoint or export on vLLM: the base, serving the adapters as vLLM's LoRA (lora.served_adapter)."""
+    adapter = lora.served_adapter(args.model) if args.backend == "vllm" and os.path.isdir(args.model) else None
+    model_path = lora.base_of(args.model) if adapter else resolve_model(args.model)
     options = {"rank": rank, "chat_template_kwargs": chat_kwargs or None}  # seeded samples differ between ranks
     if args.backend == "vllm":
         every_problem = [p for ps in benchmarks.values() for p in ps]
         options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager, progress_bars=args.verbose,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_model_len=eval_context(model_path, every_problem, args, template, chat_kwargs))
-    return make_rollout(args.backend, model_path, dtype=args.dtype or default_engine_dtype(), seed=args.seed,
-                        **options)
+    state = lora.read_adapter(adapter) if adapter else None
+    if state:
+        options["lora_rank"] = state[1]
+    engine = make_rollout(args.backend, model_path, dtype=args.dtype or default_engine_dtype(), seed=args.seed,
+                          **options)
+    if state:
+        engine.push_adapters(*state)
+    return engine
 
 
 def main(argv=None):

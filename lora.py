@@ -1,7 +1,7 @@
 """LoRA for the trainer: a frozen base, trained adapters, merged weights for the engine, PEFT folders.
 
     policy = add_adapters(policy, rank=32, alpha=32, targets="all-linear", dropout=0.0, base_dtype=torch.bfloat16)
-    engine.push_weights(engine_weights(policy, dtype))  # W + (alpha/r) B A per targeted weight, in fp32
+    push_policy(engine, policy)                         # vLLM: the adapters (vLLM's LoRA); else merged in fp32
     with adapters_off(policy): ...                    # the starting policy: KL reference, Self-Ref reflector
     save_adapter(policy, adapter_state(policy), folder) # adapter_config.json + adapter_model.safetensors
     load_adapter(policy, folder)                        # a checkpoint's adapters back into a fresh policy
@@ -14,14 +14,19 @@ so the adapted policy starts as the base, exactly. Only A and B train: the base 
 frozen (requires_grad False, no gradient, no optimizer state) and held in the training dtype
 (bf16 under autocast); the adapters are fp32 master weights with AdamW's moments.
 
-The engine never sees adapters: every push carries, for each targeted weight, the merged
-W + (alpha/r) B A computed in fp32 from the untouched base (no merge/unmerge cycle on the
-trainer's weights, so nothing drifts), under the HF names the engine loads (`.base_layer` gone);
-rollout.py's push checksums what went in as for full training.
+The vLLM engine serves the adapters unmerged, as vLLM's own LoRA (push_policy: the adapters
+alone go in, the base weights never move; rollout.VLLMRollout.push_adapters verifies them). A
+merge W + (alpha/r) B A into bf16 weights would round every element whose update is below half a
+bf16 step of W back to W: after ~100 Adam steps at 1e-5, most of them, and the engine would
+sample close to the starting policy. Where a merge is what is wanted (an fp32 engine, the HF
+backend, an export), engine_weights computes it in fp32 from the untouched base (no
+merge/unmerge cycle on the trainer's weights, so nothing drifts), under the HF names the engine
+loads (`.base_layer` gone).
 
 Folders are PEFT's own format (keys base_model.model.<module>.lora_A.weight, the config with r,
-lora_alpha and the short target names), which `PeftModel.from_pretrained` and vLLM's LoRA loader
-read.
+lora_alpha and the short target names), which `PeftModel.from_pretrained` reads, and vLLM's LoRA
+loader too when the engine's max_lora_rank is at least r (vLLM's default is 16;
+rollout.engine_lora_rank).
 """
 
 import contextlib
@@ -194,6 +199,25 @@ def engine_weights(model, dtype=None, adapters=True, named=None):
         yield name, tensor if dtype is None else tensor.to(dtype)
 
 
+def push_policy(engine, model):
+    """The policy into the rollout engine, verified there (a mismatch raises). A LoRA policy on an
+    engine that serves adapters (rollout.VLLMRollout with lora_rank) goes as its adapters alone,
+    the base never moving (after a level-2 sleep, which dropped the engine's weights, the frozen
+    base is pushed first); any other engine gets engine_weights, the merged weights, which only
+    an fp32 engine holds exactly: a merge cast to bf16 or fp16 is refused, as it rounds every
+    update below half a step of W back to W (docs/GPU.md "LoRA"). Under FSDP2 a collective."""
+    dtype = getattr(engine, "dtype", None)
+    if is_lora(model) and getattr(engine, "lora_rank", 0):
+        if getattr(engine, "sleep_level", 0) == 2:
+            engine.push_weights(engine_weights(model, dtype, adapters=False))
+        config = lora_config(model)
+        return engine.push_adapters(adapter_state(model), config.r, config.lora_alpha, targets_of(model))
+    if is_lora(model) and dtype is not None and dtype.itemsize < 4:
+        raise ValueError(f"a LoRA policy merged into {dtype} weights loses every update below half a {dtype} step of "
+                         "the base: start the engine with lora_rank (vLLM's LoRA), or in float32")
+    return engine.push_weights(engine_weights(model, dtype))
+
+
 def weight_streams(model, named=None):
     """(merged, base): functions that each return engine_weights pairs, the adapted policy and the
     starting one (adapters off), from the live model or from `named`, a state dict gathered earlier
@@ -292,11 +316,38 @@ def base_of(folder):
     return resolve_model(base)
 
 
-def merged_folder(folder, dtype=torch.bfloat16):
+def served_adapter(path):
+    """The adapter folder a vLLM engine serves for a model path, or None: a LoRA run's checkpoint
+    (an adapter folder) or export (its adapter/ beside the merged weights). eval.py serves these
+    as vLLM's LoRA on the base (base_of(path)): the merged weights in bf16 would lose most of the
+    update (docs/GPU.md "LoRA")."""
+    if is_adapter_folder(path):
+        return path
+    inside = os.path.join(path, "adapter")  # runs.LORA_EXPORT
+    return inside if os.path.isdir(inside) and is_adapter_folder(inside) else None
+
+
+def read_adapter(folder):
+    """(state, rank, alpha, short target names) of a PEFT adapter folder: what
+    rollout.VLLMRollout.push_adapters takes. An unreadable file is a one-line error naming it."""
+    from safetensors.torch import load_file
+
+    config, path = read_adapter_config(folder), os.path.join(folder, ADAPTER_WEIGHTS)
+    try:
+        state = load_file(path)
+    except Exception as e:  # noqa: BLE001 - unreadable file: one line naming it
+        raise SystemExit(f"{path}: cannot read the adapters ({type(e).__name__}: {e})") from None
+    targets = config["target_modules"]
+    targets = [targets] if isinstance(targets, str) else targets
+    return state, config["r"], config["lora_alpha"], sorted({t.rsplit(".", 1)[-1] for t in targets})
+
+
+def merged_folder(folder, dtype=torch.float32):
     """An adapter folder as a plain HF model folder that vLLM and transformers load: the base
-    with the adapters merged by peft (merge_and_unload, in fp32, saved in `dtype`), written once
-    into the cache (model.cache_root()/merged/, keyed by the folder's path and adapter file) and
-    reused."""
+    with the adapters merged by peft (merge_and_unload, in fp32, saved in `dtype`: fp32 by
+    default, as a bf16 copy rounds most of a small update back to the base), written once into
+    the cache (model.cache_root()/merged/, keyed by the folder's path, adapter file and dtype)
+    and reused."""
     import hashlib
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -305,7 +356,7 @@ def merged_folder(folder, dtype=torch.bfloat16):
 
     weights = os.path.join(folder, ADAPTER_WEIGHTS)
     stat = os.stat(weights)
-    key = hashlib.blake2b(f"{os.path.realpath(weights)}|{stat.st_size}|{stat.st_mtime_ns}".encode(),
+    key = hashlib.blake2b(f"{os.path.realpath(weights)}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode(),
                           digest_size=8).hexdigest()
     out = os.path.join(cache_root(), "merged", key)
     if os.path.isdir(out):

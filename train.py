@@ -76,7 +76,7 @@ from prompts import problem_messages
 from rollout import Sample, encode_prompt, greedy_answers, make_reflector, remote_reflector
 from runs import (RunLog, StopSignal, checkpoint, export, fields_of, forward_tokens, generated_tokens, link_checkpoint,
                   load_rank_state, print_summary, restore_trainer, route_library_logs, start_branch, step_metrics,
-                  time_summary, warmup_factor, loss_note, budget_spent, shaping_metrics, dev_eval)
+                  time_summary, warmup_factor, loss_note, budget_spent, shaping_metrics, dev_eval, sampler_mismatch_bound)
 
 
 @dataclass
@@ -666,7 +666,10 @@ def gepa_round(cfg, epoch, hard_problems, engine, reflector, counts, reward_fn):
 def self_ref_weights(run):
     """(policy weights, starting weights) that Self-Ref pushes back / swaps in on rank 0 (a collective
     under FSDP: the gather to rank 0's CPU). Full training: the state dict and None (make_reflector
-    loads them); LoRA: lora.weight_streams, merged and adapters off, with no copy in one process."""
+    loads them); LoRA: lora.weight_streams, merged and adapters off, with no copy in one process;
+    none at all for an engine that serves the adapters (it reflects with its base: rollout.AdaptersOff)."""
+    if run.cfg.lora_rank and getattr(run.engine, "lora_rank", 0):
+        return None, None
     gathered = dist.full_state_dict(run.policy, main_only=True) if dist.active() or not run.cfg.lora_rank else None
     return lora.weight_streams(run.policy, gathered) if run.cfg.lora_rank else (gathered, None)
 
@@ -848,7 +851,7 @@ def train_step(run):
         state.bad_steps = 0
         run.scheduler.step()
     if (update.finite and update.trained_rows) or getattr(engine, "sleep_level", 0) == 2:  # level 2 dropped its weights
-        engine.push_weights(lora.engine_weights(run.policy, getattr(engine, "dtype", None)))  # verified: raises on a mismatch
+        lora.push_policy(engine, run.policy)  # the weights, or a LoRA policy's adapters; verified: raises on a mismatch
     if not update.finite:  # a NaN/inf loss or gradient: the update left no trace; count it
         state.bad_steps += 1
         state.skipped_steps += 1
@@ -856,6 +859,9 @@ def train_step(run):
             tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
     info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
     m = {**step_metrics(state, groups, update, info, lr, cfg), **shaping}
+    if m["sampler_stale"] == 1.0 and run.is_main:  # the samples came from the engine after the last push
+        tqdm.write(f"step {state.step}: WARNING the engine's log-probs are {m['sampler_mismatch_mean']:.3g} nats/token "
+                   f"from the trainer's (bound {sampler_mismatch_bound(cfg):.3g}): it may not hold the pushed policy")
     for phase in ("generate", "score", "train", "push"):
         run.seconds[phase] += info[phase]
     if run.is_main:

@@ -40,6 +40,15 @@ def vllm_engine(model_path):
 
 
 @pytest.fixture(scope="session")
+def lora_engine(model_path):
+    """A bf16 engine serving LoRA adapters (vLLM's LoRA, max_lora_rank 32), as a LoRA run on a GPU
+    starts one: what the fp32 engine above cannot show, updates below a bf16 step, shows here."""
+    from rollout import VLLMRollout
+
+    return VLLMRollout(model_path, dtype="bfloat16", max_model_len=1024, seed=0, lora_rank=32)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, model_path):
     """A tiny randomly initialised Llama with the default model's tokenizer, saved as an HF folder."""
     from model import tiny_random_model

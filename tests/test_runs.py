@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import struct
 import subprocess
@@ -295,3 +296,19 @@ def test_a_resume_sets_aside_exports_of_later_steps(tmp_path):
     start_branch(str(run), step=2, epoch=0, resumed_from=str(run / "ckpt-000002"))
     assert sorted(p.name for p in run.iterdir() if p.name != "abandoned") == ["ckpt-000002", "export-000002"]
     assert sorted(p.name for p in (run / "abandoned").glob("*/*")) == ["ckpt-000004", "export-000004"]
+
+
+def test_a_step_that_measured_no_token_logs_nan_mismatch_and_a_stale_engine_is_flagged():
+    from train import Config
+    from runs import sampler_mismatch, sampler_mismatch_bound
+
+    cfg = Config(backend="vllm", engine_dtype="bfloat16", temperature=0.5)
+    assert sampler_mismatch_bound(cfg) == pytest.approx(0.2)  # 0.1 nats/token at T = 1, over T
+    cfg32 = Config(backend="hf", autocast_bf16=False, temperature=1.0)
+    assert sampler_mismatch_bound(cfg32) == pytest.approx(0.01)
+    none = sampler_mismatch({"mismatch_tokens": 0, "mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0}, cfg)
+    assert all(math.isnan(v) for v in none.values()) and set(none) == {"sampler_mismatch_mean",
+                                                                          "sampler_mismatch_max", "sampler_stale"}
+    within = sampler_mismatch({"mismatch_tokens": 10, "mismatch_abs_sum": 1.9, "mismatch_abs_max": 0.5}, cfg)
+    above = sampler_mismatch({"mismatch_tokens": 10, "mismatch_abs_sum": 2.1, "mismatch_abs_max": 0.5}, cfg)
+    assert (within["sampler_mismatch_mean"], within["sampler_stale"], above["sampler_stale"]) == (0.19, 0.0, 1.0)

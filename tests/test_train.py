@@ -898,3 +898,39 @@ def test_autocast_caches_weight_casts_in_one_process_only(monkeypatch):
     monkeypatch.setattr(train.dist, "active", lambda: True)
     with train.autocast(cfg, torch.device("cpu")):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+
+
+class StaleEngine:
+    """An HF engine on its own copy of the model whose pushes load nothing and report success: the
+    silent failure the push checks exist for, which only the sampler mismatch can still see."""
+
+    def __init__(self, path):
+        from rollout import HFRollout
+
+        self.hf = HFRollout(path)
+
+    def generate(self, prompts, **kw):
+        return self.hf.generate(prompts, **kw)
+
+    def push_weights(self, weights):
+        for _ in weights:  # consumed, as a real push would, and dropped
+            pass
+        return {"pushed": 0, "verified": 0}
+
+
+def test_a_stale_engine_raises_the_sampler_alarm_and_a_fresh_one_does_not(tiny_model, tmp_path, capsys):
+    from rollout import HFRollout
+
+    runs = {}
+    for name, engine in (("stale", StaleEngine(tiny_model)), ("fresh", HFRollout(tiny_model))):
+        train.train(tiny_config(tiny_model, tmp_path / name, max_steps=4, lr=3e-2, save_every=0),
+                    engine=engine, reward_fn=parity_reward)
+        runs[name] = [m for m in read_metrics(tmp_path / name / "t") if "sampler_stale" in m]
+    printed = capsys.readouterr().out
+    trained = [m for m in runs["fresh"] if m["trained_rows"]]
+    assert trained and all(m["sampler_stale"] == 0.0 and m["sampler_mismatch_mean"] < 1e-3 for m in trained)
+    stale = [m for m in runs["stale"][1:] if m["trained_rows"]]  # step 1 samples the starting weights: not stale yet
+    assert stale and all(m["sampler_stale"] == 1.0 for m in stale)
+    assert printed.count("may not hold the pushed policy") == len(stale)
+    untrained = [m for name in runs for m in runs[name] if not m["trained_rows"]]
+    assert all(m["sampler_stale"] != m["sampler_stale"] for m in untrained)  # NaN where nothing was measured
