@@ -191,7 +191,14 @@ def packed_flex_attention(module, query, key, value, attention_mask, scaling=Non
                                       **kwargs)
     if dropout:
         raise ValueError("packed FlexAttention has no attention dropout")
-    out = _flex(query.device.type)(query, key, value, block_mask=attention_mask, scale=scaling,
+    # under autocast the rotary embedding leaves q and k in fp32 beside a bf16 v; SDPA, an autocast op,
+    # casts all three to bf16, flex is not one and inductor's flex backward refuses mixed dtypes: cast as SDPA
+    import torch
+
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    out = _flex(device)(query, key, value, block_mask=attention_mask, scale=scaling,
                                    enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
@@ -236,6 +243,14 @@ def use_packed_flex(model):
 
 
 # ----------------------------------------------------------------------------- the trainer's models
+
+
+def engine_lora(cfg):
+    """The rank a vLLM engine serves LoRA adapters at for this run (0: none). A 16-bit engine needs
+    vLLM's LoRA: a merge into bf16 weights rounds most of a small update away (docs/GPU.md "LoRA in
+    the engine"). An fp32 engine holds the fp32 merge exactly and takes merged pushes instead, which
+    on vLLM-CPU also generates ~10x faster (its LoRA ops are a reference implementation)."""
+    return cfg.lora_rank if cfg.engine_dtype != "float32" else 0
 
 
 def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
@@ -299,7 +314,7 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
                               kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                               sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
                               chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
-                              progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=cfg.lora_rank)
+                              progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
     if holds != weights_path:  # a resume moved on from what the engine holds
         lora.push_policy(engine, policy)
     return policy, reference, tokenizer, engine

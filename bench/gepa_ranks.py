@@ -103,11 +103,9 @@ def child(args):
             weights = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
         reflector = rollout.make_reflector(cfg, engine, model_path, weights, counts)
         train.greedy_answers = lambda engine, max_tokens: counting
-        try:
+        with dist.leading():  # the others answer until the round ends; if it fails, they raise its error
             result = train.gepa_round(cfg, 0, hard, engine, reflector, counts,
                                       lambda text, p: REWARDS[cfg.reward](text, p.answer))
-        finally:
-            dist.release()
     else:
         dist.serve(counting)
     seconds = time.perf_counter() - started

@@ -14,9 +14,10 @@ times timed. Memory: CPU, peak RSS minus the RSS just before the model loaded (t
 are the same in every arm); CUDA, torch's peak allocated bytes. Then one checkpoint through
 runs.save_checkpoint (what a resume needs) is written and measured.
 
-Push: one child holds one engine (vLLM; --push_backend=hf for a GPU machine without vLLM) and
-pushes, alternately, the full model's parameters and a LoRA policy's merged weights
-(lora.engine_weights), --push_repeats times each; both verified as in training.
+Push: one child holds one engine (vLLM with LoRA on, as train.py starts it for --lora_rank;
+--push_backend=hf for a GPU machine without vLLM) and pushes, alternately, the full model's
+parameters and a LoRA policy as train.py does (lora.push_policy: on vLLM the adapters alone, on
+HF the merged weights), --push_repeats times each; both verified as in training.
 
 The last lines are the ratios LoRA / full of one run (the issue's goals: memory <= 0.5, checkpoint
 <= 0.05, step time <= 1.0). A checkpoint's ratio is about the trained share of the parameters
@@ -130,8 +131,9 @@ def run_push(args):
     model_path = resolve_model(args.model)
     rank = max(args.ranks)
     cfg = config(args, rank)
+    vllm = {"max_model_len": 512, "kv_cache_gib": 1, "lora_rank": rank}  # LoRA on: train.py's LoRA engine
     engine = make_rollout(args.push_backend, model_path, dtype=cfg.engine_dtype,
-                          **({"max_model_len": 512, "kv_cache_gib": 1} if args.push_backend == "vllm" else {}))
+                          **(vllm if args.push_backend == "vllm" else {}))
     full = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(args.device)
     adapted = lora.load_policy(cfg, model_path, model_path, args.device)  # as train.py loads it
     with torch.no_grad():
@@ -142,7 +144,7 @@ def run_push(args):
     for _ in range(args.push_repeats):
         for arm, model in (("full", full), ("lora", adapted)):  # what train_step pushes, either way
             t = time.perf_counter()
-            engine.push_weights(lora.engine_weights(model, getattr(engine, "dtype", None)))
+            lora.push_policy(engine, model)
             times[arm].append(time.perf_counter() - t)
         t = time.perf_counter()
         initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()

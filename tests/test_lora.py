@@ -367,48 +367,8 @@ def test_self_refs_streams_from_a_gathered_state_dict_equal_the_live_policys(lor
 
 # ----------------------------------------------------------------------------- the bf16 LoRA engine (vLLM's LoRA)
 
-QUESTIONS = [[{"role": "user", "content": q}] for q in
-             ("What is 7 + 5?", "Name a colour.", "How many minutes are in 3 hours?", "Write a haiku about rain.",
-              "What is 12 times 3?", "Tell me a fact about cats.")]
-TARGET = " I am a blue whale and the answer is always forty two, said the whale."
-
-
-def sft_adapters(model_path, rank, lr, steps):
-    """A bf16 base (frozen, as --lora_rank trains it under autocast) with rank-`rank` adapters (alpha = r)
-    trained by Adam, `steps` steps at `lr`, to answer QUESTIONS with TARGET. Adam moves each element by
-    about lr a step, so 10 steps at 1e-4 go as far as 100 at 1e-5 (the LoRA preset's 1e-6 x 10)."""
-    from transformers import AutoTokenizer
-
-    from rollout import encode_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    policy = adapted(model_path, rank=rank, alpha=rank, dtype=torch.bfloat16)
-    prompts = [encode_prompt(tokenizer, q) for q in QUESTIONS]
-    answer = tokenizer(TARGET, add_special_tokens=False).input_ids
-    width = max(map(len, prompts)) + len(answer)
-    ids = torch.tensor([x + answer + [0] * (width - len(x) - len(answer)) for x in prompts])  # [6, W]
-    mask = (torch.arange(width)[None] < torch.tensor([[len(x) + len(answer)] for x in prompts])).long()
-    labels = torch.full_like(ids, -100)
-    for i, x in enumerate(prompts):
-        labels[i, len(x):len(x) + len(answer)] = torch.tensor(answer)
-    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=lr)
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = policy(ids, attention_mask=mask).logits[:, :-1].float()  # [6, W-1, V]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return policy.eval()
-
-
-def trainer_logprobs(policy, sample):
-    """The trainer's log-probs of a sample's tokens: its forward under bf16 autocast, as in training."""
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = policy(ids).logits[0].float()  # [T, V]
-    logp = logits[len(sample.prompt_ids) - 1:-1].log_softmax(-1)  # position t predicts token t + 1
-    return logp.gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+# the adapters and the trainer's log-probs of bench/lora_engine.py, which measures every way of serving them
+from bench.lora_engine import QUESTIONS, sft_adapters, trainer_logprobs  # noqa: E402
 
 
 def mean_gaps(policy, samples, adapters=True):
@@ -498,3 +458,31 @@ def test_an_engine_takes_adapters_up_to_its_rank_and_vllm_ranks_round_up():
     assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 32, 33, 320, 512)] == [1, 8, 8, 16, 32, 64, 320, 512]
     with pytest.raises(ValueError, match="above vLLM's largest"):
         engine_lora_rank(513)
+
+
+def test_after_a_level_two_sleep_the_base_goes_back_before_the_adapters(tiny_model):
+    """--vllm_sleep_level=2 drops the engine's weights: the frozen base is pushed again, then the adapters;
+    a LoRA engine that kept its weights gets the adapters alone."""
+    calls = []
+
+    class Engine:
+        dtype, lora_rank = torch.bfloat16, 8
+
+        def __init__(self, level):
+            self.sleep_level = level
+
+        def push_weights(self, weights):
+            calls.append(("weights", {k: v.clone() for k, v in weights}))
+
+        def push_adapters(self, state, rank, alpha, targets):
+            calls.append(("adapters", state, rank, alpha, targets))
+
+    policy = randomise_adapters(adapted(tiny_model, rank=4, alpha=8, dtype=torch.bfloat16), seed=1, scale=0.1)
+    lora.push_policy(Engine(2), policy)
+    assert [c[0] for c in calls] == ["weights", "adapters"]
+    base = calls[0][1]["model.layers.0.self_attn.q_proj.weight"]
+    assert base.dtype == torch.bfloat16 and torch.equal(base, policy.model.layers[0].self_attn.q_proj.base_layer.weight)
+    assert calls[1][2:] == (4, 8, lora.targets_of(policy)) and calls[1][1].keys() == lora.adapter_state(policy).keys()
+    calls.clear()
+    lora.push_policy(Engine(1), policy)
+    assert [c[0] for c in calls] == ["adapters"]

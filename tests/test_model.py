@@ -60,3 +60,31 @@ def test_shipped_model_keeps_its_chat_template(model_path):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert AutoConfig.from_pretrained(model_path).model_type == "llama"
     assert tok.eos_token == "<|im_end|>"
+
+
+def test_packed_flex_attention_casts_q_k_v_as_sdpa_does_under_autocast(monkeypatch):
+    """Under bf16 autocast the rotary embedding leaves q and k in fp32 beside a bf16 v: SDPA (an autocast op)
+    casts the three to bf16, flex (not one) would compute with mixed dtypes, which inductor's flex backward
+    refuses on a GPU. The flex path casts as SDPA does: same dtype out, same values within bf16 rounding."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from model import packed_flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 128, 16, generator=gen), torch.randn(1, 2, 128, 16, generator=gen)  # fp32
+    v = torch.randn(1, 2, 128, 16, generator=gen).to(torch.bfloat16)
+    block = create_block_mask(lambda b, h, i, j: j <= i, 1, 1, 128, 128, device="cpu")
+    causal = torch.ones(128, 128, dtype=torch.bool).tril()[None, None]
+    module = torch.nn.Module()
+    module.is_causal = False
+    seen, flex_attention = [], model._flex("cpu")
+    monkeypatch.setattr(model, "_flex", lambda device: lambda *a, **kw: seen.append({t.dtype for t in a}) or
+                        flex_attention(*a, **kw))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        flex, _ = packed_flex_attention(module, q, k, v, block, scaling=0.25)
+        sdpa, _ = sdpa_attention_forward(module, q, k, v, causal, scaling=0.25)
+    assert seen == [{torch.bfloat16}]  # what the compiled kernel gets on a GPU: one dtype
+    assert flex.dtype == sdpa.dtype == torch.bfloat16
+    assert (flex.float() - sdpa.float()).abs().max().item() <= 2e-2

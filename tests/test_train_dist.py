@@ -263,10 +263,10 @@ def test_train_py_under_torchrun_with_vllm_engines(tmp_path, model_path, lora_fl
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = tmp_path / "v"
     (m,) = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert m["step"] == 1 and m["trained_rows"] > 0
+    assert m["step"] == 1 and m["trained_rows"] > 0 and m["sampler_stale"] == 0.0  # the engines sampled the policy
     assert [json.loads(line)["step"] for line in open(run / "dev.jsonl")] == [0, 1]
     assert "2 processes" in proc.stdout and "dev greedy accuracy" in proc.stdout
-    if lora_flags:  # a push of merged weights verified in both engines; the checkpoint holds the adapters
+    if lora_flags:  # adapters pushed as vLLM's LoRA, verified in both engines; the checkpoint holds the adapters
         assert "LoRA: rank 8" in proc.stdout
         trained = load_file(str(run / "ckpt-000001" / "adapter_model.safetensors"))
         assert max(v.abs().max().item() for k, v in trained.items() if "lora_B" in k) > 0
