@@ -498,7 +498,7 @@ class VLLMRollout:
 
         if not self.lora_rank:
             raise WeightPushError("this engine was started without LoRA (lora_rank=0): it cannot take adapters")
-        tensors, sent = {}, {}  # sent: engine layer -> {"A": (sum, sumsq), "B": ...}, fused parts added up
+        tensors, sent = {}, []  # sent: (module, "A" or "B", (sum, sum of squares)) of each tensor as it went in
         for key, tensor in state.items():
             if ".lora_A." not in key and ".lora_B." not in key:
                 raise WeightPushError(f"{key} is not a LoRA adapter tensor (.lora_A. or .lora_B.)")
@@ -507,10 +507,7 @@ class VLLMRollout:
             tensor = (tensor * (alpha / rank) if kind == "B" else tensor).to(self.dtype).contiguous()
             tensors[key] = tensor
             module = key.removeprefix("base_model.model.").split(f".lora_{kind}.")[0]
-            sums = sent.setdefault(module, {})
-            old = sums.get(kind, (0.0, 0.0))
-            new = checksum([tensor], self.dtype)[1:]
-            sums[kind] = (old[0] + new[0], old[1] + new[1])
+            sent.append((module, kind, checksum([tensor], self.dtype)[1:]))
         if self._adapter_dir is None:
             self._adapter_dir = tempfile.mkdtemp(prefix="p2o-adapters-")
         number = (self.adapter.lora_int_id if self.adapter else 0) + 1
@@ -524,7 +521,7 @@ class VLLMRollout:
         self.wake("weights")  # the slots live beside the weights
         try:
             self.llm.llm_engine.add_lora(request)
-            self._verify_adapter(request, sent)
+            verified = self._verify_adapter(request, sent)
         except BaseException:
             self.llm.llm_engine.remove_lora(number)
             shutil.rmtree(folder, ignore_errors=True)
@@ -536,20 +533,20 @@ class VLLMRollout:
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
-        return {"pushed": len(tensors), "verified": len(sent)}
+        return {"pushed": len(tensors), "verified": verified}
 
     def _verify_adapter(self, request, sent):
+        """Every LoRA slot of the engine against `sent` (push_adapters'), the parts of a fused layer
+        added up; raises WeightPushError on a difference, else returns the number of layers checked."""
         (report,) = self.llm.collective_rpc(_engine_adapter_checksums, args=(request.lora_int_id,))
         if report is None:
             raise WeightPushError(f"no LoRA slot of the engine holds adapter {request.lora_name}")
         got, mapping = report
-        pushed = {}  # engine layer -> A, B sums of the parts that went into it
-        for module, sums in sent.items():
-            layer = engine_name(f"{module}.weight", mapping).removesuffix(".weight")
-            into = pushed.setdefault(layer, {})
-            for kind, (total, squares) in sums.items():
-                old = into.get(kind, (0.0, 0.0))
-                into[kind] = (old[0] + total, old[1] + squares)
+        pushed = {}  # engine layer -> {"A": (sum, sumsq), "B": ...} of the parts that went into it
+        for module, kind, (total, squares) in sent:
+            into = pushed.setdefault(engine_name(f"{module}.weight", mapping).removesuffix(".weight"), {})
+            old = into.get(kind, (0.0, 0.0))
+            into[kind] = (old[0] + total, old[1] + squares)
         if pushed.keys() - got.keys():
             raise WeightPushError(f"adapters for layers the engine has no LoRA slot for: {sorted(pushed.keys() - got.keys())[:3]}")
         for layer, (a, b) in got.items():
@@ -558,6 +555,7 @@ class VLLMRollout:
                 if not _same_sums(have, want.get(kind, (0.0, 0.0))):
                     raise WeightPushError(f"LoRA layer {layer} does not hold the pushed {kind}: (sum, sumsq) = "
                                           f"{have} vs {want.get(kind, (0.0, 0.0))}")
+        return len(got)
 
 
 class AdaptersOff:

@@ -84,32 +84,21 @@ def trainer_logprobs(policy, sample):
     return logp.gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
 
 
-def gap(policy, samples, adapters=True):
-    """Mean |log p| gap, per token, between the trainer (adapters off: its base) and the engine."""
+def gaps(policy, samples, adapters=True):
+    """(engine, base, tokens): the mean |log p| gap per token between the trainer (adapters=False:
+    its base) and the engine's own log-probs of `samples`, and between the trainer and its base
+    (how far the adapters moved the policy), over `tokens` sampled tokens."""
     import lora
 
-    total = tokens = 0.0
+    engine = base = tokens = 0.0
     for s in samples:
-        if adapters:
-            trainer = trainer_logprobs(policy, s)
-        else:
-            with lora.adapters_off(policy):
-                trainer = trainer_logprobs(policy, s)
-        total += (trainer - torch.tensor(s.logprobs)).abs().sum().item()
-        tokens += len(s.response_ids)
-    return total / tokens
-
-
-def base_gap(policy, samples):
-    import lora
-
-    total = tokens = 0.0
-    for s in samples:
+        trainer = trainer_logprobs(policy, s)
         with lora.adapters_off(policy):
             start = trainer_logprobs(policy, s)
-        total += (trainer_logprobs(policy, s) - start).abs().sum().item()
+        engine += ((trainer if adapters else start) - torch.tensor(s.logprobs)).abs().sum().item()
+        base += (trainer - start).abs().sum().item()
         tokens += len(s.response_ids)
-    return total / tokens
+    return engine / tokens, base / tokens, int(tokens)
 
 
 def peft_merged(model_path, policy, folder):
@@ -132,19 +121,17 @@ def measure_gaps(args, model_path, lora_engine, plain, lr, tmp):
     sample = lambda engine, **kw: [s for g in engine.generate(QUESTIONS, n=args.samples, temperature=1.0,  # noqa: E731
                                                                max_tokens=48, logprobs=True, seed=0, **kw) for s in g]
     row = {"lr": lr}
-    row["floor"] = gap(policy, sample(lora_engine, adapters=False), adapters=False)
+    row["floor"] = gaps(policy, sample(lora_engine, adapters=False), adapters=False)[0]
     lora.push_policy(lora_engine, policy)
-    served = sample(lora_engine)
-    row["LoRA engine"], row["base"], row["tokens"] = gap(policy, served), base_gap(policy, served), \
-        sum(len(s.response_ids) for s in served)
+    row["LoRA engine"], row["base"], row["tokens"] = gaps(policy, sample(lora_engine))
     merged = dict(lora.engine_weights(policy, torch.bfloat16))
     kept = [(merged[n.replace(".base_layer", "")] == w).float().mean().item()
             for n, w in policy.named_parameters() if n.endswith(".base_layer.weight")]
     row["equal to base"] = sum(kept) / len(kept)
     plain.push_weights(merged.items())
-    row["merged, bf16"] = gap(policy, sample(plain))
+    row["merged, bf16"] = gaps(policy, sample(plain))[0]
     plain.push_weights(peft_merged(model_path, policy, os.path.join(tmp, f"adapter-{lr}")).items())
-    row["peft merge, bf16"] = gap(policy, sample(plain))
+    row["peft merge, bf16"] = gaps(policy, sample(plain))[0]
     return row, merged
 
 

@@ -371,22 +371,8 @@ def test_self_refs_streams_from_a_gathered_state_dict_equal_the_live_policys(lor
 
 # ----------------------------------------------------------------------------- the bf16 LoRA engine (vLLM's LoRA)
 
-# the adapters and the trainer's log-probs of bench/lora_engine.py, which measures every way of serving them
-from bench.lora_engine import QUESTIONS, sft_adapters, trainer_logprobs  # noqa: E402
-
-
-def mean_gaps(policy, samples, adapters=True):
-    """(engine, base): the mean |log p| gap over every sampled token between the trainer (the policy;
-    adapters=False: its base) and the engine's own log-probs, and between the trainer and the base."""
-    engine = base = tokens = 0.0
-    for s in samples:
-        with lora.adapters_off(policy):
-            start = trainer_logprobs(policy, s)
-        trainer = trainer_logprobs(policy, s) if adapters else start
-        engine += (trainer - torch.tensor(s.logprobs)).abs().sum().item()
-        base += (trainer_logprobs(policy, s) - start).abs().sum().item()
-        tokens += len(s.response_ids)
-    return engine / tokens, base / tokens, int(tokens)
+# the adapters and the gaps of bench/lora_engine.py, which measures every way of serving them
+from bench.lora_engine import QUESTIONS, gaps, sft_adapters  # noqa: E402
 
 
 def engine_samples(engine, adapters=True):
@@ -404,9 +390,9 @@ def test_a_bf16_lora_engine_is_as_exact_as_full_training_where_a_bf16_merge_is_n
     and the engine's gap is within a tenth of the base's; at ~100 steps they move it 5-7x, so no engine
     could be (measured here: 0.16)."""
     policy = sft_adapters(model_path, rank=32, lr=lr, steps=10)
-    floor, _, _ = mean_gaps(policy, engine_samples(lora_engine, adapters=False), adapters=False)
+    floor, _, _ = gaps(policy, engine_samples(lora_engine, adapters=False), adapters=False)
     lora.push_policy(lora_engine, policy)
-    engine, base, tokens = mean_gaps(policy, engine_samples(lora_engine))
+    engine, base, tokens = gaps(policy, engine_samples(lora_engine))
     assert tokens >= 200 and engine <= 1.3 * floor, (engine, floor, tokens)
     if lr >= 3e-4:
         assert engine <= 0.1 * base, (engine, base)
@@ -417,7 +403,7 @@ def test_a_bf16_lora_engine_is_as_exact_as_full_training_where_a_bf16_merge_is_n
     assert sum(kept) / len(kept) > 0.6  # most merged elements round back to the base's
     try:
         lora_engine.push_weights(merged.items())
-        merged_gap, _, _ = mean_gaps(policy, engine_samples(lora_engine, adapters=False))
+        merged_gap, _, _ = gaps(policy, engine_samples(lora_engine, adapters=False))
         assert merged_gap >= 1.25 * engine, (merged_gap, engine)
     finally:
         lora_engine.push_weights(lora.engine_weights(policy, torch.bfloat16, adapters=False))
@@ -438,11 +424,11 @@ def test_an_adapter_push_is_verified_and_a_failed_one_leaves_the_previous_adapte
     assert [g[0].text for g in base_out] == [g[0].text for g in before]  # and the base is untouched beside them
 
     # the check: a slot whose sums differ from what was sent (a layer sent nothing, a wrong value) raises
-    sent = {"model.layers.0.self_attn.q_proj": {"A": (0.0, 0.0), "B": (0.0, 0.0)}}
+    sent = [("model.layers.0.self_attn.q_proj", "A", (0.0, 0.0)), ("model.layers.0.self_attn.q_proj", "B", (0.0, 0.0))]
     with pytest.raises(WeightPushError, match="qkv_proj does not hold the pushed A"):
         lora_engine._verify_adapter(lora_engine.adapter, sent)
     with pytest.raises(WeightPushError, match="no LoRA slot"):
-        lora_engine._verify_adapter(lora_engine.adapter, {"model.layers.0.mlp.nope": {"A": (1.0, 1.0)}})
+        lora_engine._verify_adapter(lora_engine.adapter, [("model.layers.0.mlp.nope", "A", (1.0, 1.0))])
     # a push vLLM refuses raises and the engine keeps serving the adapters it had
     state = lora.adapter_state(policy)
     state["base_model.model.model.layers.0.mlp.nope.lora_A.weight"] = torch.ones(8, 576)
