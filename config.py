@@ -1,37 +1,168 @@
 """train.py's settings: the command line, --help, and every value checked before anything loads.
 
 `train.Config` (the top of train.py) holds the settings; here they are read, described and
-checked, and turned into what the run needs (device, chat-template arguments, vLLM's context,
-a held-out dev set):
+checked, and turned into what the run needs (device, chat-template arguments, vLLM's context):
 
     cfg = parse_overrides(Config(), ["--lr=1e-6", "--group_size", "12", "--crm"])   # types checked
     check_config(cfg)             # SystemExit naming the flag: "--adv_norm is one of 'group' | 'none', got 'z'"
-    train_set, dev_set = load_data(cfg)   # every row validated
     print(config_help(Config))    # python train.py --help
 
-Every mistake is one line before any model loads: a misspelt setting names the nearest ones
-("unknown setting --group_sise; did you mean --group_size?"), a model path that is not a model
-folder or a hub id that is neither cached nor reachable is reported without a download
-(model.check_model), a bad data file names its row.
+Every mistake in a value is one line before anything loads; a misspelt setting names the
+nearest ones ("unknown setting --group_sise; did you mean --group_size?"). This module sits
+below the models, the engines and a run's files and imports none of them: the checks that need
+a model (model.check_models), the data (data.load_data) or a checkpoint (runs.resume_point)
+are made where the run starts (train.train), still before anything heavy loads.
 """
 
 import dataclasses
+from dataclasses import dataclass
 import difflib
 import inspect
 import json
 import os
-import random
-import sys
 
 import torch
 
 import gepa
 import grpo
-from data import DataError, load_jsonl
-from model import check_model
-from prompts import FORMATS, problem_messages
-from rollout import encode_prompt
+from prompts import FORMATS, encode_prompt, problem_messages
 from verify import load_reward
+
+
+@dataclass
+class Config:
+    """Every setting of a run (train.py's). A new one is a field with a default and an inline
+    comment: the comment is its --help line (config_help; a field without one fails the --help
+    test), and a line `# ---- heading` starts a --help section. A bound or a set of allowed
+    values goes in the tables below the class (CHOICES, AT_LEAST, ...), checked by check_config."""
+    # ---- model and data
+    model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
+    train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
+    dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
+    chat_template_kwargs: str = ""  # JSON for the chat template, e.g. '{"enable_thinking": false}' (Qwen3 non-thinking)
+    device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
+    backend: str = "vllm"  # rollout engine: vllm | hf
+    engine_dtype: str = "bfloat16"  # dtype of the rollout engine's weights
+    max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (context_length)
+    kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
+    gpu_memory_utilization: float = 0.4  # GPU: share of the GPU vLLM may take; the trainer shares the GPU
+    vllm_sleep_level: int = 2  # GPU: while training, 2 = drop vLLM's weights and KV cache (the push refills them), 1 = offload the weights to the host, 0 = off
+    enforce_eager: bool = False  # GPU: vLLM without CUDA graphs (starts faster, decodes slower); vLLM-CPU always runs eager
+    cpu_threads: int = 0  # GPU: torch CPU threads per process (0 = the cores this process may use / processes on the node); vLLM would leave 1
+    algo: str = "p2o"  # p2o | grpo | sft (supervised: each problem's gold solution is its one rollout, A = 1)
+    # ---- rollouts
+    prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
+    group_size: int = 6  # K: rollouts per prompt (paper 6; the 2K baseline is 12)
+    temperature: float = 0.6  # sampling temperature, also used for training log-probs (paper 0.6)
+    top_p: float = 1.0  # nucleus sampling for training rollouts and dev samples (1 = off)
+    max_tokens: int = 128  # max response tokens (paper 12,288); also L_max of Dr. GRPO
+    dynamic_sampling: bool = False  # DAPO: drop all-equal groups, refill with more prompts
+    max_refills: int = 3  # bound on DAPO refill rounds per step
+    # ---- loss (grpo.py)
+    adv_norm: str = "group"  # group: (r - mean) / (std + 1e-6) | none: r - mean (Dr. GRPO) | raw: r (no baseline)
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    eps_low: float = 0.2  # PPO clip below 1
+    eps_high: float = 0.2  # PPO clip above 1 (0.28 = DAPO clip-higher)
+    dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual)
+    kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
+    ppo_epochs: int = 1  # passes over each rollout batch (1: the ratio is 1, see grpo.py)
+    mini_batches: int = 1  # optimizer steps per pass, each on 1/n of the groups (paper: 128 prompts, mini-batches of 64 -> 2)
+    tis_cap: float = 0.0  # truncated importance sampling vs the rollout engine: tokens x min(pi_old/pi_sampler, C); 0 = off
+    # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
+    tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
+    gepa_min_hard: int = 20  # GEPA runs at an epoch's end only with this many hard prompts (paper 100 on 5K)
+    gepa_budget: int = 200  # metric calls per GEPA round, a hard cap (one = one (template, problem) answer)
+    gepa_dev_max: int = 300  # hard prompts used as GEPA dev items, at most (paper 300; also capped by the budget)
+    gepa_parents: int = 4  # W: parents per GEPA iteration (paper 16)
+    gepa_minibatch: int = 3  # b: train items per reflection (paper 3)
+    gepa_max_iterations: int = 50  # safety bound on GEPA iterations besides the budget
+    max_template_chars: int = 300  # guard: longer templates are rejected (they derail a small model)
+    template_max_growth: float = 1.5  # guard: a child may be at most this times longer than a non-empty parent
+    guard_copy_words: int = 8  # guard: this many consecutive words of a minibatch problem (or all of a shorter one) = a copy
+    reflect_answer_chars: int = 300  # the policy's answer is cut to this many characters in a reflection record
+    reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id or an http(s)://HOST:PORT/v1 OpenAI-compatible server (Teacher-Ref)
+    reflector_model: str = ""  # model name at a reflector server ('' = the first it serves)
+    reflector_api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the server's API key (never logged)
+    reflector_timeout: float = 60.0  # seconds per reflection request to a server
+    reflector_retries: int = 3  # retries of a failed request (backoff 1, 2, 4 s); then it is counted and skipped
+    reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
+    reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
+    reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
+    reflect_top_p: float = 1.0  # the reflector's nucleus sampling (the official preset: 0.95, Qwen3's generation_config)
+    reflect_top_k: int = 0  # the reflector's top-k (0 = off; the official preset: 20, Qwen3's generation_config)
+    reflect_chat_template_kwargs: str = ""  # JSON for the reflector's chat template ('' = the engine's own; nothing sent to a server), e.g. '{"enable_thinking": true}'
+    same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
+    seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
+    fixed_template: str = ""  # algo=grpo: a templates file whose first line templates every rollout from step 1 (no GEPA)
+    context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
+    crm: bool = True  # Context Ratio Mask on templated rows (False: ablation; the reference's replace_prompts_when_log_prob)
+    crm_low: float = 0.01  # tokens with c_t < crm_low are masked
+    crm_high: float = 10.0  # tokens with c_t > crm_high are masked
+    crm_soft: bool = False  # scale out-of-band tokens by high/c_t (above) or c_t/low (below) instead of zeroing
+    # ---- reference-code parity (zlkqz/P2O; our defaults and the reasons: docs/METHOD.md)
+    prompt_format: str = "default"  # default: problem + boxed instruction (+ few-shot for built-in rows) | official: the P²O code's
+    dev_holdout: int = 0  # > 0: hold this many train problems out (seeded) as the dev set instead (official code: 500)
+    gepa_auto: str = ""  # official budget preset light|medium|heavy|heavy_2|heavy_3|heavy_4|heavy_16, sized by the round's dev set ('' = gepa_budget)
+    bare_rollout: bool = False  # one of a templated prompt's K rollouts without a template (official left_1_no_template_rollout)
+    drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
+    crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
+    fix_importance_ratio: bool = False  # templated rows: pi_old under x~, so rho = pi(y|x) / pi_old(y|x~), PPO-clipped (official fix_importance_ratio)
+    reward: str = "ours"  # ours: the final \boxed{} equals the answer | official: exactly one \boxed, numbers within 1e-4 | module:function or file.py:function, any (response, problem) -> float (verify.load_reward)
+    reflect_prompt: str = "ours"  # ours: a short general instruction | official: GEPA's proposal prompt, asks for domain facts (gepa.py)
+    reflect_guards: bool = True  # reject leaking, copying, long, repetitive or duplicate templates (official: none)
+    gepa_selection: str = "ours"  # parents: ours (fronts of solved items, pruned, with replacement) | official (zero ties, distinct)
+    gepa_accounting: str = "ours"  # ours: every metric call counts, a hard cap | official: iterations 0-1 and child minibatches free
+    warmup_from_zero: bool = False  # warm-up's first step at lr 0, then lr s/warmup (verl) instead of lr (s+1)/warmup
+    # ---- reward shaping (shaping.py): bonuses added to the verified reward where advantages are formed only
+    clipo_weight: float = 0.0  # CLIPO: a correct rollout's bonus max(-w * its InfoNCE loss, -clipo_cap) (0 = off; release 0.2)
+    clipo_cap: float = 0.5  # CLIPO: the largest penalty (release 0.5)
+    clipo_dim: int = 512  # CLIPO head's output dims (release: 512 GSM8K, 2048 MATH)
+    clipo_tau: float = 0.05  # CLIPO InfoNCE temperature (release 0.05)
+    clipo_lr: float = 1e-3  # CLIPO head's AdamW lr (release 1e-3; only the head trains on its loss)
+    clipo_weight_decay: float = 0.01  # CLIPO head's AdamW weight decay (release 0.01)
+    clipo_loss: str = "released"  # released: with the row-max shift and the 1e-8 inside the log | textbook InfoNCE
+    frozen_steps: int = 0  # the first N steps update no policy weight (rollouts, shapers, logs run): CLIPO's head warm-up
+    agreement_bonus: float = 0.0  # ours: a correct rollout's bonus w * its mean n-gram Jaccard to the other correct (0 = off)
+    agreement_cap: float = 0.1  # the agreement bonus's largest value
+    agreement_ngram: int = 3  # n of the agreement bonus's token n-grams
+    # ---- optimisation
+    lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
+    warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
+    adam_beta1: float = 0.9  # AdamW betas (torch defaults, as verl's)
+    adam_beta2: float = 0.999  # AdamW second-moment decay
+    adam_eps: float = 1e-8  # AdamW denominator epsilon
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (verl: 0.01)
+    grad_clip: float = 1.0  # max global grad norm
+    micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
+    shared_prompt: bool = True  # forward a prompt once for all rows that share it (grpo.pack_rows; exact)
+    packed_attention: str = "auto"  # shared_prompt's mask: flex (FlexAttention block mask; CUDA) | dense | auto: flex on CUDA
+    head_chunk: int = 1024  # LM-head log-probs this many tokens at a time (grpo.head_logprobs): no [tokens, vocab] logits
+    autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
+    cpu_fp32_fallback: bool = True  # a CPU without bf16 instructions (no AVX512-BF16/AMX): fp32 engine and forward
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    # ---- LoRA (lora.py): a frozen base in the training dtype, trained fp32 adapters, merged weights pushed
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank instead of every weight (0 = full fine-tuning)
+    lora_alpha: int = 32  # adapters scale by lora_alpha / lora_rank (LoRA without regret: 32 at any rank)
+    lora_targets: str = "all-linear"  # all-linear: every linear layer of the decoder | a comma list, e.g. q_proj,v_proj
+    lora_dropout: float = 0.0  # dropout on the adapters' input, in the training forward only
+    lora_lr_scale: float = 10.0  # LoRA trains at lr x this (LoRA without regret: ~10x full fine-tuning's best lr)
+    max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
+    # ---- schedule and outputs
+    epochs: int = 2  # passes over train_data (P²O needs 2: GEPA after epoch 0, templates in epoch 1)
+    max_steps: int = 0  # > 0: stop after this many steps instead
+    max_gen_tokens: int = 0  # > 0: also stop once this many tokens were generated (rollouts + GEPA answers + reflections)
+    eval_every: int = 5  # dev evaluation every N steps (and before and after training)
+    eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
+    save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
+    keep_checkpoints: int = 2  # keep the newest N checkpoints (and best's); 0 = keep all (each holds weights + optimizer state)
+    export_every: int = 0  # > 0: every N steps and at the end also write export-NNNNNN/, the model alone in bf16 (for eval.py; kept)
+    log_rollouts: int = 4  # groups per step written to rollouts.jsonl
+    wandb_project: str = ""  # also log to Weights & Biases under this project ('' = TensorBoard only; WANDB_MODE=offline works)
+    seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
+    out_dir: str = "runs"  # runs go to out_dir/run_name
+    run_name: str = ""  # default: <algo>-<date>-<time>
+    resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
+    verbose: bool = False  # True: engine and library logs on the console too (else in <run>/engine.log)
 
 
 BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
@@ -168,7 +299,7 @@ def resolve_settings(cfg, argv):
 def dry_run_report(cfg):
     """--dry_run: the settings checked (not the model or the data), then printed as JSON on
     stdout, which --config reads back: `python train.py ... --dry_run > run.json`."""
-    check_config(cfg, models=False)
+    check_config(cfg)
     print(json.dumps(dataclasses.asdict(cfg), indent=1))
 
 
@@ -224,9 +355,9 @@ BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2", "lora_dropout")  # < 1
 AT_MOST_ONE = ("top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
 
 
-def check_config(cfg, models=True):
-    """Every setting's value, before any model loads: one line naming the flag, no traceback;
-    then (models) that --model and --reflector can be loaded."""
+def check_config(cfg):
+    """Every setting's value, before anything loads: one line naming the flag, no traceback. What
+    needs a model, the data or the reward's first call is checked where the run starts (train.train)."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise SystemExit(f"--{name} is one of {' | '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")
@@ -276,11 +407,6 @@ def check_config(cfg, models=True):
             gepa.dev_cap(cfg, len(seeds))
         except ValueError as e:
             raise SystemExit(f"--gepa_budget: {e}") from None
-    if not models:
-        return
-    check_model(cfg.model)  # after the settings: one HTTP request for an uncached hub id
-    if cfg.reflector not in ("init", "policy") and not cfg.reflector.startswith(("http://", "https://")):
-        check_model(cfg.reflector, "--reflector")
 
 
 def json_object_setting(flag, text):
@@ -425,66 +551,3 @@ def cpu_threads(setting, cores=None, local_world=None):
 def learning_rate(cfg):
     """The optimizer's lr: --lr, times --lora_lr_scale when LoRA trains (adapters need a larger step)."""
     return cfg.lr * (cfg.lora_lr_scale if cfg.lora_rank else 1.0)
-
-
-def load_data(cfg):
-    """(train set, dev set), every row validated before any model loads: a bad file is one line
-    naming the flag, the file and the row."""
-    sets = []
-    for flag in ("train_data", "dev_data"):
-        try:
-            sets.append(load_jsonl(getattr(cfg, flag))[0] if getattr(cfg, flag) else [])
-        except DataError as e:
-            raise SystemExit(f"--{flag}: {e}") from None
-    if cfg.dev_holdout:
-        sets = hold_out(sets[0], cfg.dev_holdout, cfg.seed)
-    return sets
-
-
-def hold_out(problems, n, seed):
-    """(train, dev): n problems drawn (seeded, own stream) as an in-distribution dev set, the rest to train."""
-    if not 0 < n < len(problems):
-        raise SystemExit(f"--dev_holdout={n} must be between 1 and {len(problems) - 1} (the train set has {len(problems)})")
-    order = random.Random(f"holdout/{seed}").sample(range(len(problems)), len(problems))
-    held = set(order[:n])
-    return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
-
-
-def resume_point(cfg, given=None):
-    """Read a resume once, for the command line and train(cfg) alike -> (cfg, checkpoint folder
-    or None, its trainer.pt or None). The checkpoint's settings come back, and the settings
-    named in `given` win over them (the command line's flags; for train(cfg), by default every
-    field that differs from Config's default). A saved setting this Config no longer has is
-    dropped with a note; LoRA's shape (rank, alpha, targets) cannot change on resume."""
-    from runs import load_trainer_state, resolve_resume  # lazy: runs imports the logging stack
-
-    path = resolve_resume(cfg) if cfg.resume else None
-    if not path:
-        return cfg, None, None
-    saved = load_trainer_state(path)
-    config_class = type(cfg)  # train.Config
-    defaults, known = config_class(), {f.name for f in dataclasses.fields(config_class)}
-    if given is None:
-        given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
-    old = {k: v for k, v in saved.get("config", {}).items() if k in known}
-    if set(saved.get("config", {})) - known:
-        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}",
-              file=sys.stderr)  # stdout may be --dry_run's JSON
-    merged = config_class(**{**old, **{k: getattr(cfg, k) for k in given | {"resume"}}})
-    for k in ("lora_rank", "lora_alpha", "lora_targets"):  # a checkpoint holds adapters of these, or a full model
-        if getattr(merged, k) != old.get(k, getattr(defaults, k)):
-            raise SystemExit(f"--resume={path} was trained with --{k}={old.get(k, getattr(defaults, k))}, not "
-                             f"{getattr(merged, k)}; to train it otherwise, start a new run with --model={path}")
-    return merged, path, saved
-
-
-def reward_scorer(cfg, problems):
-    """--reward as check_fn(response, problem) -> verify.Verdict, tried once on the first problem's
-    gold answer (boxed) so that a function that raises or returns no number is one line at start-up."""
-    check_fn = load_reward(cfg.reward)
-    if problems:
-        try:
-            check_fn(f"The answer is \\boxed{{{problems[0].answer}}}.", problems[0])
-        except (ValueError, RuntimeError) as e:
-            raise SystemExit(f"{e} (tried at start-up on its gold answer)") from None
-    return check_fn

@@ -8,12 +8,12 @@
 Protocol (the paper's; docs/METHOD.md §6): a benchmark with fewer than 100 problems is scored by avg@16 at
 temperature 0.6, a larger one greedily; `--k` overrides (0 = greedy only). Greedy accuracy is
 always reported. pass@j uses the unbiased estimator 1 - C(n-c, j) / C(n, j) over the k samples
-(Chen et al. 2021); maj@k is majority voting over the k samples' answers (majority_reward).
+(Chen et al. 2021); maj@k is majority voting over the k samples' answers (scoring.py).
 Rows are also broken down by their `source` (the built-in task's levels).
 
 A LoRA run's checkpoint (a PEFT adapter folder) or export is served on vLLM as its base with the
 adapters as vLLM's LoRA, unmerged, as training sampled it; the HF backend merges it into its base
-in fp32 (lora.merged_folder, once, cached). A run's checkpoint or export (runs/<run>/latest, export-NNNNNN) is evaluated as it was trained:
+in fp32 (model.merged_folder, once, cached). A run's checkpoint or export (runs/<run>/latest, export-NNNNNN) is evaluated as it was trained:
 its prompt format, chat-template arguments, max_tokens, temperature and top_p come from the
 folder's train_config.json unless given as flags, and the line "settings of the run that
 trained ..." says what was taken. vLLM's context is the longest prompt + --max_tokens: no answer
@@ -30,141 +30,20 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
 import dist
 import lora
-from config import chat_template_kwargs, default_engine_dtype, reward_scorer
+from config import chat_template_kwargs, default_engine_dtype
 from data import DataError, load_jsonl
 from gepa import read_seed_templates
-from model import check_model, resolve_model
-from prompts import FORMATS, problem_messages
+from model import base_of, check_model, resolve_model, served_adapter
+from prompts import FORMATS, encode_prompt, problem_messages
 from rollout import make_rollout
 from runs import TRAIN_CONFIG, route_library_logs
-from verify import check, load_reward
-
-SMALL_BENCHMARK = 100  # fewer problems than this: avg@16 at T = 0.6; else greedy (the paper's protocol)
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), computed as a
-    product to stay exact for large n (no huge binomials)."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    prob_all_fail = 1.0
-    for i in range(n - c + 1, n + 1):
-        prob_all_fail *= 1.0 - k / i
-    return 1.0 - prob_all_fail
-
-
-def default_k(num_problems):
-    return 16 if num_problems < SMALL_BENCHMARK else 0
-
-
-def pass_ks(k):
-    """The j of the pass@j columns reported for k samples: 1, 2, 4, ..., k."""
-    ks, j = [], 1
-    while j < k:
-        ks.append(j)
-        j *= 2
-    return ks + [k] if k else []
-
-
-def score_groups(problems, messages, groups, reward="ours"):
-    """Per problem: responses, verdicts (verify.load_reward(reward)) -> one record each (the per-sample JSONL rows)."""
-    records, check_fn = [], load_reward(reward)
-    for p, m, group in zip(problems, messages, groups):
-        verdicts = [check_fn(s.text, p) for s in group]
-        records.append({
-            "id": p.id, "source": p.source, "answer": p.answer, "prompt": m[-1]["content"],
-            "fewshot_turns": (len(m) - 1) // 2,
-            "responses": [s.text for s in group],
-            "extracted": [v.extracted for v in verdicts],
-            "reasons": [v.reason for v in verdicts],
-            "rewards": [v.reward for v in verdicts],
-            "lengths": [len(s.response_ids) for s in group],
-            "truncated": [s.finish_reason == "length" for s in group],
-        })
-    return records
-
-
-def majority_reward(extracted, rewards):
-    """maj@k of one problem: the reward of the answer most of its k samples gave (majority
-    voting, self-consistency). Answers are grouped by mathematical equivalence (verify.py, the
-    reward's own rule: `1/2` and `\\frac{1}{2}` are one vote); samples without a boxed answer do
-    not vote; a tie goes to the answer given first; no answer at all scores 0."""
-    votes = []  # [answer, count, reward], in order of first appearance
-    for answer, reward in zip(extracted, rewards):
-        if answer is None:
-            continue
-        for vote in votes:
-            if answer == vote[0] or check(f"\\boxed{{{answer}}}", vote[0]).reward == 1.0:
-                vote[1] += 1
-                break
-        else:
-            votes.append([answer, 1, reward])
-    return max(votes, key=lambda v: v[1])[2] if votes else 0.0  # max keeps the first of equal counts
-
-
-def summarize(greedy, sampled, k):
-    """Aggregate per-problem records into the numbers of one table row."""
-    n = len(greedy)
-    row = {"problems": n, "greedy": sum(r["rewards"][0] for r in greedy) / n,
-           "greedy_boxed": sum(r["extracted"][0] is not None for r in greedy) / n,
-           "greedy_truncated": sum(r["truncated"][0] for r in greedy) / n}
-    if k:
-        row[f"avg@{k}"] = sum(sum(r["rewards"]) / k for r in sampled) / n
-        for j in pass_ks(k):
-            row[f"pass@{j}"] = sum(pass_at_k(k, int(sum(r["rewards"])), j) for r in sampled) / n
-        row[f"maj@{k}"] = sum(majority_reward(r["extracted"], r["rewards"]) for r in sampled) / n
-        row["sampled_mean_length"] = sum(sum(r["lengths"]) / k for r in sampled) / n
-    return row
-
-
-def answer_records(engine, problems, k=0, temperature=0.6, top_p=1.0, max_tokens=256, progress=True,
-                   seed=None, prompt_format="default", template="", reward="ours"):
-    """Greedy answers, plus k samples at `temperature` when k > 0 (seeded when `seed` is given):
-    one record per problem, its greedy response first, the samples under "sampled". `template`:
-    a P²O template applied to every problem (prompts.apply_template; '' = none); `reward`: the
-    rule that scores them (train.py's --reward)."""
-    return answer_sets(engine, [(problems, template, k)], temperature, top_p, max_tokens, progress, seed,
-                       prompt_format, reward)[0]
-
-
-def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progress=True, seed=None,
-                prompt_format="default", reward="ours"):
-    """answer_records for several sets [(problems, template, k)] at once -> one list of records per
-    set, from ONE engine call: the k samples of every prompt at `temperature` first (on CUDA their
-    per-request seeds are then those of a call without the greedy requests), then every prompt's
-    greedy answer (temperature 0). One call waits for its longest answer once, not twice."""
-    messages = [[problem_messages(p, template, fmt=prompt_format) for p in problems] for problems, template, _ in sets]
-    flat = [m for ms in messages for m in ms]
-    ks = [k for (problems, _, k) in sets for _ in problems]
-    sampled = [(m, k) for m, k in zip(flat, ks) if k]
-    out = engine.generate([m for m, _ in sampled] + flat, n=[k for _, k in sampled] + [1] * len(flat),
-                          temperature=[temperature] * len(sampled) + [0.0] * len(flat), top_p=top_p,
-                          max_tokens=max_tokens, progress=progress, seed=seed)
-    samples, greedy = iter(out[:len(sampled)]), iter(out[len(sampled):])
-    records = []
-    for (problems, _, k), ms in zip(sets, messages):
-        g = score_groups(problems, ms, [next(greedy) for _ in problems], reward)
-        s = score_groups(problems, ms, [next(samples) for _ in problems], reward) if k else [None] * len(problems)
-        records.append([{**a, "sampled": b} for a, b in zip(g, s)])
-    return records
-
-
-def summarize_records(records, k):
-    """(overall row, {source: row}) of answer_records' records (sources in data order)."""
-    by_source = defaultdict(list)
-    for r in records:
-        by_source[r["source"] or "-"].append(r)
-    rows = {src: summarize(rs, [r["sampled"] for r in rs], k) for src, rs in by_source.items()}
-    return summarize(records, [r["sampled"] for r in records], k), rows
-
+from scoring import answer_records, default_k, summarize_records
+from verify import reward_scorer
 
 def format_table(rows):
     """Rows {name: {column: value}} -> an aligned text table (columns from the first row)."""
@@ -182,8 +61,6 @@ def eval_context(model_path, problems, args, template="", chat_kwargs=None):
     the template, prompt format and chat-template arguments) plus --max_tokens, so that every
     answer may reach --max_tokens. A given context too short for that is an error, not a silent cut."""
     from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
-
-    from rollout import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     longest = max(len(encode_prompt(tokenizer, problem_messages(p, template, fmt=args.prompt_format), chat_kwargs))
@@ -288,9 +165,9 @@ def load_inputs(args):
 
 def make_engine(args, benchmarks, template, chat_kwargs, rank):
     """One engine a process (torchrun: one a rank), its context sized for every benchmark. A LoRA
-    run's checkpoint or export on vLLM: the base, serving the adapters as vLLM's LoRA (lora.served_adapter)."""
-    adapter = lora.served_adapter(args.model) if args.backend == "vllm" and os.path.isdir(args.model) else None
-    model_path = lora.base_of(args.model) if adapter else resolve_model(args.model)
+    run's checkpoint or export on vLLM: the base, serving the adapters as vLLM's LoRA (model.served_adapter)."""
+    adapter = served_adapter(args.model) if args.backend == "vllm" and os.path.isdir(args.model) else None
+    model_path = base_of(args.model) if adapter else resolve_model(args.model)
     options = {"rank": rank, "chat_template_kwargs": chat_kwargs or None}  # seeded samples differ between ranks
     if args.backend == "vllm":
         every_problem = [p for ps in benchmarks.values() for p in ps]

@@ -5,7 +5,7 @@
     with adapters_off(policy): ...                    # the starting policy: KL reference, Self-Ref reflector
     save_adapter(policy, adapter_state(policy), folder) # adapter_config.json + adapter_model.safetensors
     load_adapter(policy, folder)                        # a checkpoint's adapters back into a fresh policy
-    merged_folder("runs/x/ckpt-000010")                  # an adapter folder as a plain HF model folder (eval.py)
+    model.merged_folder("runs/x/ckpt-000010")            # an adapter folder as a plain HF model folder (eval.py)
 
 peft (pinned in requirements.txt) injects the layers: each targeted nn.Linear becomes a
 `peft.tuners.lora.Linear` holding the untouched `base_layer` and `lora_A` [r, in], `lora_B`
@@ -30,16 +30,13 @@ rollout.engine_lora_rank).
 """
 
 import contextlib
-import json
 import os
-import shutil
 
 import torch
 
 import dist
+from model import ADAPTER_WEIGHTS, read_adapter_config
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped model's names, in saved adapters
 ALL_LINEAR = "all-linear"
 
@@ -269,11 +266,6 @@ def save_adapter(model, state, folder):
     save_file(state, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-def read_adapter_config(folder):
-    with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
-        return json.load(f)
-
-
 def load_adapter(model, folder):
     """Copy a saved adapter (save_adapter's folder) into a model that add_adapters gave the same
     rank and targets; before sharding. A missing, extra or misshapen tensor is a clear error."""
@@ -296,37 +288,6 @@ def load_adapter(model, folder):
     return model
 
 
-def is_adapter_folder(path):
-    """A PEFT adapter folder (adapter_config.json) that is not also a full model folder."""
-    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, "config.json"))
-
-
-def base_of(folder):
-    """The base model of an adapter folder: the `model` of the run that wrote it (its
-    train_config.json, resolved as --model is), else the adapter config's base_model_name_or_path."""
-    from model import resolve_model
-
-    train_config = os.path.join(folder, "train_config.json")
-    if os.path.isfile(train_config):
-        with open(train_config) as f:
-            return resolve_model(json.load(f)["model"])
-    base = read_adapter_config(folder).get("base_model_name_or_path")
-    if not base:
-        raise SystemExit(f"{folder}: an adapter folder that names no base model")
-    return resolve_model(base)
-
-
-def served_adapter(path):
-    """The adapter folder a vLLM engine serves for a model path, or None: a LoRA run's checkpoint
-    (an adapter folder) or export (its adapter/ beside the merged weights). eval.py serves these
-    as vLLM's LoRA on the base (base_of(path)): the merged weights in bf16 would lose most of the
-    update (docs/GPU.md "LoRA")."""
-    if is_adapter_folder(path):
-        return path
-    inside = os.path.join(path, "adapter")  # runs.LORA_EXPORT
-    return inside if os.path.isdir(inside) and is_adapter_folder(inside) else None
-
-
 def read_adapter(folder):
     """(state, rank, alpha, short target names) of a PEFT adapter folder: what
     rollout.VLLMRollout.push_adapters takes. An unreadable file is a one-line error naming it."""
@@ -340,38 +301,3 @@ def read_adapter(folder):
     targets = config["target_modules"]
     targets = [targets] if isinstance(targets, str) else targets
     return state, config["r"], config["lora_alpha"], sorted({t.rsplit(".", 1)[-1] for t in targets})
-
-
-def merged_folder(folder, dtype=torch.float32):
-    """An adapter folder as a plain HF model folder that vLLM and transformers load: the base
-    with the adapters merged by peft (merge_and_unload, in fp32, saved in `dtype`: fp32 by
-    default, as a bf16 copy rounds most of a small update back to the base), written once into
-    the cache (model.cache_root()/merged/, keyed by the folder's path, adapter file and dtype)
-    and reused."""
-    import hashlib
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from model import atomic_directory, cache_root
-
-    weights = os.path.join(folder, ADAPTER_WEIGHTS)
-    stat = os.stat(weights)
-    key = hashlib.blake2b(f"{os.path.realpath(weights)}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode(),
-                          digest_size=8).hexdigest()
-    out = os.path.join(cache_root(), "merged", key)
-    if os.path.isdir(out):
-        return out
-    from peft import PeftModel
-
-    base_path = base_of(folder)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, folder).merge_and_unload()
-    tokenizer_from = folder if os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else base_path
-    with atomic_directory(out) as tmp:
-        model.to(dtype).save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
-        settings = os.path.join(folder, "train_config.json")  # eval.py reads the run's settings beside the weights
-        if os.path.isfile(settings):
-            shutil.copyfile(settings, os.path.join(tmp, "train_config.json"))
-    print(f"{folder}: adapters merged into {base_path} -> {out}")
-    return out

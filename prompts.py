@@ -56,3 +56,17 @@ def problem_messages(p, template="", fmt="default"):
     task's default prompt format only, so rows from other sources (or the official format) get none."""
     fewshot = fmt == "default" and bool(p.source) and p.source.startswith(("builtin", "fictional"))
     return build_messages(p.problem, template, fewshot, fmt)
+
+
+def encode_prompt(tokenizer, prompt, chat_template_kwargs=None):
+    """Chat messages -> chat-template ids with the generation prompt; a string -> its ids.
+    Messages ending with an assistant turn are a prefill: the answer continues that text.
+    chat_template_kwargs go to the template, e.g. {"enable_thinking": False} for Qwen3."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt).input_ids
+    kwargs = chat_template_kwargs or {}
+    if prompt[-1]["role"] == "assistant":
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True, **kwargs)
+    else:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer(text, add_special_tokens=False).input_ids

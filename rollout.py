@@ -61,6 +61,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from config import reflector_chat_kwargs
+from gepa import DELIM_CLOSE, DELIM_OPEN, reflector_framing
+from model import resolve_model
+from prompts import encode_prompt
+
 
 @dataclass
 class Sample:
@@ -81,20 +86,6 @@ def _per_prompt(value, num_prompts):
     if len(values) != num_prompts:
         raise ValueError(f"{len(values)} values for {num_prompts} prompts")
     return values
-
-
-def encode_prompt(tokenizer, prompt, chat_template_kwargs=None):
-    """Chat messages -> chat-template ids with the generation prompt; a string -> its ids.
-    Messages ending with an assistant turn are a prefill: the answer continues that text.
-    chat_template_kwargs go to the template, e.g. {"enable_thinking": False} for Qwen3."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt).input_ids
-    kwargs = chat_template_kwargs or {}
-    if prompt[-1]["role"] == "assistant":
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, continue_final_message=True, **kwargs)
-    else:
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def checksum(tensors, dtype, chunk=1 << 24):
@@ -711,8 +702,6 @@ class EngineReflector:
         self.top_p, self.top_k, self.chat_template_kwargs = top_p, top_k, chat_template_kwargs
         self.counts = Counter() if counts is None else counts
         self.swap, self.restore = swap, restore
-        from gepa import DELIM_CLOSE, DELIM_OPEN  # the delimiters the guards parse
-
         self.prefill = DELIM_OPEN if prefill is None else prefill
         self.stop = [DELIM_CLOSE] if stop is None else list(stop)
 
@@ -868,9 +857,6 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
     (name, tensor) pairs, as `weights` may be: a LoRA policy's base with its adapters off); None:
     loaded from model_path. A LoRA policy on an engine that serves adapters (lora_rank) reflects
     with the engine's base alone (AdaptersOff): no weights move."""
-    from config import reflector_chat_kwargs  # config imports this module: lazy
-    from gepa import reflector_framing  # gepa imports nothing of ours but verify and prompts; lazy all the same
-
     seed = cfg.seed * 7 + counts["reflection_calls"]
     settings = dict(temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens, seed=seed, counts=counts,
                     top_p=cfg.reflect_top_p, top_k=cfg.reflect_top_k, chat_template_kwargs=reflector_chat_kwargs(cfg))
@@ -892,7 +878,5 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
                                **settings)
     if cfg.reflector == "policy":
         return EngineReflector(engine, **settings)
-    from model import resolve_model
-
     dtype = {"dtype": cfg.engine_dtype} if cfg.reflector_backend == "vllm" else {}  # as the training engine
     return EngineReflector(make_rollout(cfg.reflector_backend, resolve_model(cfg.reflector), **dtype), **settings)

@@ -47,6 +47,7 @@ import lora
 from config import learning_rate
 from model import atomic_directory
 from plot import plot_run
+from scoring import answer_records, summarize_records
 
 
 TRAIN_CONFIG = "train_config.json"
@@ -217,8 +218,6 @@ def export(run):
 def dev_eval(run):
     """Greedy and avg@k on a train.Run's dev set (scored by --reward); each rank answers its share and every rank gets the
     same result. A new best (after step 0) is checkpointed and named `best`."""
-    from eval import answer_records, summarize_records  # lazy: eval.py imports this module
-
     cfg, state = run.cfg, run.state
     if not run.dev_set:
         return {}
@@ -353,6 +352,32 @@ def resolve_resume(cfg):
         print(f"--resume=auto: {run_dir} has no checkpoint yet; starting it from scratch")
         return None
     return os.path.join(run_dir, target)
+
+
+def resume_point(cfg, given=None):
+    """Read a resume once, for the command line and train(cfg) alike -> (cfg, checkpoint folder
+    or None, its trainer.pt or None). The checkpoint's settings come back, and the settings
+    named in `given` win over them (the command line's flags; for train(cfg), by default every
+    field that differs from Config's default). A saved setting this Config no longer has is
+    dropped with a note; LoRA's shape (rank, alpha, targets) cannot change on resume."""
+    path = resolve_resume(cfg) if cfg.resume else None
+    if not path:
+        return cfg, None, None
+    saved = load_trainer_state(path)
+    config_class = type(cfg)  # train.Config
+    defaults, known = config_class(), {f.name for f in dataclasses.fields(config_class)}
+    if given is None:
+        given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
+    old = {k: v for k, v in saved.get("config", {}).items() if k in known}
+    if set(saved.get("config", {})) - known:
+        print(f"{path}: saved settings this version does not have, ignored: {sorted(set(saved['config']) - known)}",
+              file=sys.stderr)  # stdout may be --dry_run's JSON
+    merged = config_class(**{**old, **{k: getattr(cfg, k) for k in given | {"resume"}}})
+    for k in ("lora_rank", "lora_alpha", "lora_targets"):  # a checkpoint holds adapters of these, or a full model
+        if getattr(merged, k) != old.get(k, getattr(defaults, k)):
+            raise SystemExit(f"--resume={path} was trained with --{k}={old.get(k, getattr(defaults, k))}, not "
+                             f"{getattr(merged, k)}; to train it otherwise, start a new run with --model={path}")
+    return merged, path, saved
 
 
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "dev.jsonl")

@@ -16,8 +16,9 @@
     python train.py --config=configs/p2o_official.yaml --dry_run   # the reference code's settings, printed
     torchrun --nproc_per_node=8 train.py --model=...   # every GPU of a node (FSDP2; docs/GPU.md)
 
-Every setting lives in `Config` below; `--config=FILE` (JSON or YAML, configs/) and then
-`--key=value` (or `--key value`, a bare `--flag`) override it. Settings, paths, the model and the data are checked before anything loads (config.py). The
+Every setting lives in `config.Config`; `--config=FILE` (JSON or YAML, configs/) and then
+`--key=value` (or `--key value`, a bare `--flag`) override it. Settings, paths, the model and
+the data are checked before anything loads (`train`). The
 method: docs/METHOD.md. One step (`train_step`), readable in this file, grpo.py and distill.py:
 
     collect_groups   B prompts -> K rollouts each (vLLM; a prompt that was hard last epoch gets
@@ -52,6 +53,7 @@ import os
 import random
 import sys
 import time
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -65,152 +67,19 @@ import gepa
 import grpo
 import lora
 import shaping
-from shaping import apply_shapers
-from data import PromptStream
-from forward import autocast, group_hidden_means, response_logprobs, row_logprobs, two_context_logprobs
-from model import load_models, pad_token_id, resolve_model
-from config import (check_config, chat_template_kwargs, config_help, cpu_precision, cpu_threads,
-                    dry_run_report, learning_rate, load_data, packed_layout, parse_overrides, pick_device,
-                    resolve_settings, resume_point, reward_scorer)
-from prompts import problem_messages
-from rollout import Sample, encode_prompt, greedy_answers, make_reflector, remote_reflector
-from runs import (RunLog, StopSignal, checkpoint, export, fields_of, forward_tokens, generated_tokens, link_checkpoint,
-                  load_rank_state, print_summary, restore_trainer, route_library_logs, start_branch, step_metrics,
-                  time_summary, warmup_factor, loss_note, budget_spent, shaping_metrics, dev_eval, sampler_mismatch_bound)
-
-
-@dataclass
-class Config:
-    """Every setting of a run. A new one is a field with a default and an inline comment: the
-    comment is its --help line (config.config_help; a field without one fails the --help test)."""
-    # ---- model and data
-    model: str = "smollm2-135m"  # HF id, local folder, or the shipped default (model.py)
-    train_data: str = "builtin-train"  # data name or .jsonl path (data/__init__.py)
-    dev_data: str = "builtin-dev"  # periodic evaluation set ('' = none)
-    chat_template_kwargs: str = ""  # JSON for the chat template, e.g. '{"enable_thinking": false}' (Qwen3 non-thinking)
-    device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
-    backend: str = "vllm"  # rollout engine: vllm | hf
-    engine_dtype: str = "bfloat16"  # dtype of the rollout engine's weights
-    max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (context_length)
-    kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
-    gpu_memory_utilization: float = 0.4  # GPU: share of the GPU vLLM may take; the trainer shares the GPU
-    vllm_sleep_level: int = 2  # GPU: while training, 2 = drop vLLM's weights and KV cache (the push refills them), 1 = offload the weights to the host, 0 = off
-    enforce_eager: bool = False  # GPU: vLLM without CUDA graphs (starts faster, decodes slower); vLLM-CPU always runs eager
-    cpu_threads: int = 0  # GPU: torch CPU threads per process (0 = the cores this process may use / processes on the node); vLLM would leave 1
-    algo: str = "p2o"  # p2o | grpo | sft (supervised: each problem's gold solution is its one rollout, A = 1)
-    # ---- rollouts
-    prompts_per_step: int = 16  # B: prompts per optimizer step (paper 128)
-    group_size: int = 6  # K: rollouts per prompt (paper 6; the 2K baseline is 12)
-    temperature: float = 0.6  # sampling temperature, also used for training log-probs (paper 0.6)
-    top_p: float = 1.0  # nucleus sampling for training rollouts and dev samples (1 = off)
-    max_tokens: int = 128  # max response tokens (paper 12,288); also L_max of Dr. GRPO
-    dynamic_sampling: bool = False  # DAPO: drop all-equal groups, refill with more prompts
-    max_refills: int = 3  # bound on DAPO refill rounds per step
-    # ---- loss (grpo.py)
-    adv_norm: str = "group"  # group: (r - mean) / (std + 1e-6) | none: r - mean (Dr. GRPO) | raw: r (no baseline)
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    eps_low: float = 0.2  # PPO clip below 1
-    eps_high: float = 0.2  # PPO clip above 1 (0.28 = DAPO clip-higher)
-    dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual)
-    kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
-    ppo_epochs: int = 1  # passes over each rollout batch (1: the ratio is 1, see grpo.py)
-    mini_batches: int = 1  # optimizer steps per pass, each on 1/n of the groups (paper: 128 prompts, mini-batches of 64 -> 2)
-    tis_cap: float = 0.0  # truncated importance sampling vs the rollout engine: tokens x min(pi_old/pi_sampler, C); 0 = off
-    # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
-    tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
-    gepa_min_hard: int = 20  # GEPA runs at an epoch's end only with this many hard prompts (paper 100 on 5K)
-    gepa_budget: int = 200  # metric calls per GEPA round, a hard cap (one = one (template, problem) answer)
-    gepa_dev_max: int = 300  # hard prompts used as GEPA dev items, at most (paper 300; also capped by the budget)
-    gepa_parents: int = 4  # W: parents per GEPA iteration (paper 16)
-    gepa_minibatch: int = 3  # b: train items per reflection (paper 3)
-    gepa_max_iterations: int = 50  # safety bound on GEPA iterations besides the budget
-    max_template_chars: int = 300  # guard: longer templates are rejected (they derail a small model)
-    template_max_growth: float = 1.5  # guard: a child may be at most this times longer than a non-empty parent
-    guard_copy_words: int = 8  # guard: this many consecutive words of a minibatch problem (or all of a shorter one) = a copy
-    reflect_answer_chars: int = 300  # the policy's answer is cut to this many characters in a reflection record
-    reflector: str = "init"  # init: frozen starting policy (Self-Ref) | policy | a model path/id or an http(s)://HOST:PORT/v1 OpenAI-compatible server (Teacher-Ref)
-    reflector_model: str = ""  # model name at a reflector server ('' = the first it serves)
-    reflector_api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the server's API key (never logged)
-    reflector_timeout: float = 60.0  # seconds per reflection request to a server
-    reflector_retries: int = 3  # retries of a failed request (backoff 1, 2, 4 s); then it is counted and skipped
-    reflector_backend: str = "hf"  # engine for a reflector given as a path (a 2nd in-process vLLM is not supported)
-    reflect_temperature: float = 0.8  # sampling temperature of the reflector (a new template)
-    reflect_max_tokens: int = 120  # a template is at most max_template_chars (~75 tokens)
-    reflect_top_p: float = 1.0  # the reflector's nucleus sampling (the official preset: 0.95, Qwen3's generation_config)
-    reflect_top_k: int = 0  # the reflector's top-k (0 = off; the official preset: 20, Qwen3's generation_config)
-    reflect_chat_template_kwargs: str = ""  # JSON for the reflector's chat template ('' = the engine's own; nothing sent to a server), e.g. '{"enable_thinking": true}'
-    same_template_per_group: bool = False  # ablation: one template for all K rollouts of a prompt
-    seed_templates: str = ""  # Human-Ref: a file of templates (one per line) that join the empty one in GEPA's starting pool
-    fixed_template: str = ""  # algo=grpo: a templates file whose first line templates every rollout from step 1 (no GEPA)
-    context_distill: bool = True  # False (ablation): train templated rollouts under x~, not x
-    crm: bool = True  # Context Ratio Mask on templated rows (False: ablation; the reference's replace_prompts_when_log_prob)
-    crm_low: float = 0.01  # tokens with c_t < crm_low are masked
-    crm_high: float = 10.0  # tokens with c_t > crm_high are masked
-    crm_soft: bool = False  # scale out-of-band tokens by high/c_t (above) or c_t/low (below) instead of zeroing
-    # ---- reference-code parity (zlkqz/P2O; our defaults and the reasons: docs/METHOD.md)
-    prompt_format: str = "default"  # default: problem + boxed instruction (+ few-shot for built-in rows) | official: the P²O code's
-    dev_holdout: int = 0  # > 0: hold this many train problems out (seeded) as the dev set instead (official code: 500)
-    gepa_auto: str = ""  # official budget preset light|medium|heavy|heavy_2|heavy_3|heavy_4|heavy_16, sized by the round's dev set ('' = gepa_budget)
-    bare_rollout: bool = False  # one of a templated prompt's K rollouts without a template (official left_1_no_template_rollout)
-    drop_failed_templated: bool = False  # failed templated rollouts leave the loss, not the advantages (official drop_failed_template_rollout)
-    crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
-    fix_importance_ratio: bool = False  # templated rows: pi_old under x~, so rho = pi(y|x) / pi_old(y|x~), PPO-clipped (official fix_importance_ratio)
-    reward: str = "ours"  # ours: the final \boxed{} equals the answer | official: exactly one \boxed, numbers within 1e-4 | module:function or file.py:function, any (response, problem) -> float (verify.load_reward)
-    reflect_prompt: str = "ours"  # ours: a short general instruction | official: GEPA's proposal prompt, asks for domain facts (gepa.py)
-    reflect_guards: bool = True  # reject leaking, copying, long, repetitive or duplicate templates (official: none)
-    gepa_selection: str = "ours"  # parents: ours (fronts of solved items, pruned, with replacement) | official (zero ties, distinct)
-    gepa_accounting: str = "ours"  # ours: every metric call counts, a hard cap | official: iterations 0-1 and child minibatches free
-    warmup_from_zero: bool = False  # warm-up's first step at lr 0, then lr s/warmup (verl) instead of lr (s+1)/warmup
-    # ---- reward shaping (shaping.py): bonuses added to the verified reward where advantages are formed only
-    clipo_weight: float = 0.0  # CLIPO: a correct rollout's bonus max(-w * its InfoNCE loss, -clipo_cap) (0 = off; release 0.2)
-    clipo_cap: float = 0.5  # CLIPO: the largest penalty (release 0.5)
-    clipo_dim: int = 512  # CLIPO head's output dims (release: 512 GSM8K, 2048 MATH)
-    clipo_tau: float = 0.05  # CLIPO InfoNCE temperature (release 0.05)
-    clipo_lr: float = 1e-3  # CLIPO head's AdamW lr (release 1e-3; only the head trains on its loss)
-    clipo_weight_decay: float = 0.01  # CLIPO head's AdamW weight decay (release 0.01)
-    clipo_loss: str = "released"  # released: with the row-max shift and the 1e-8 inside the log | textbook InfoNCE
-    frozen_steps: int = 0  # the first N steps update no policy weight (rollouts, shapers, logs run): CLIPO's head warm-up
-    agreement_bonus: float = 0.0  # ours: a correct rollout's bonus w * its mean n-gram Jaccard to the other correct (0 = off)
-    agreement_cap: float = 0.1  # the agreement bonus's largest value
-    agreement_ngram: int = 3  # n of the agreement bonus's token n-grams
-    # ---- optimisation
-    lr: float = 2e-5  # paper 1e-6 for Qwen3-4B; the 135M default needs a larger step
-    warmup_steps: int = 2  # linear warm-up, then constant (paper: 5% warm-up)
-    adam_beta1: float = 0.9  # AdamW betas (torch defaults, as verl's)
-    adam_beta2: float = 0.999  # AdamW second-moment decay
-    adam_eps: float = 1e-8  # AdamW denominator epsilon
-    weight_decay: float = 0.0  # AdamW decoupled weight decay (verl: 0.01)
-    grad_clip: float = 1.0  # max global grad norm
-    micro_batch_size: int = 8  # rows per forward/backward; the loss is still per whole step
-    shared_prompt: bool = True  # forward a prompt once for all rows that share it (grpo.pack_rows; exact)
-    packed_attention: str = "auto"  # shared_prompt's mask: flex (FlexAttention block mask; CUDA) | dense | auto: flex on CUDA
-    head_chunk: int = 1024  # LM-head log-probs this many tokens at a time (grpo.head_logprobs): no [tokens, vocab] logits
-    autocast_bf16: bool = True  # bf16 autocast for the training forward (fp32 master weights)
-    cpu_fp32_fallback: bool = True  # a CPU without bf16 instructions (no AVX512-BF16/AMX): fp32 engine and forward
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
-    # ---- LoRA (lora.py): a frozen base in the training dtype, trained fp32 adapters, merged weights pushed
-    lora_rank: int = 0  # > 0: train LoRA adapters of this rank instead of every weight (0 = full fine-tuning)
-    lora_alpha: int = 32  # adapters scale by lora_alpha / lora_rank (LoRA without regret: 32 at any rank)
-    lora_targets: str = "all-linear"  # all-linear: every linear layer of the decoder | a comma list, e.g. q_proj,v_proj
-    lora_dropout: float = 0.0  # dropout on the adapters' input, in the training forward only
-    lora_lr_scale: float = 10.0  # LoRA trains at lr x this (LoRA without regret: ~10x full fine-tuning's best lr)
-    max_bad_steps: int = 3  # consecutive NaN/inf steps before stopping (after saving)
-    # ---- schedule and outputs
-    epochs: int = 2  # passes over train_data (P²O needs 2: GEPA after epoch 0, templates in epoch 1)
-    max_steps: int = 0  # > 0: stop after this many steps instead
-    max_gen_tokens: int = 0  # > 0: also stop once this many tokens were generated (rollouts + GEPA answers + reflections)
-    eval_every: int = 5  # dev evaluation every N steps (and before and after training)
-    eval_k: int = 4  # samples per dev problem for avg@k (greedy is always measured)
-    save_every: int = 10  # checkpoint every N steps (and at the end, and on both sides of a GEPA round)
-    keep_checkpoints: int = 2  # keep the newest N checkpoints (and best's); 0 = keep all (each holds weights + optimizer state)
-    export_every: int = 0  # > 0: every N steps and at the end also write export-NNNNNN/, the model alone in bf16 (for eval.py; kept)
-    log_rollouts: int = 4  # groups per step written to rollouts.jsonl
-    wandb_project: str = ""  # also log to Weights & Biases under this project ('' = TensorBoard only; WANDB_MODE=offline works)
-    seed: int = 0  # prompt order, rollouts, GEPA and dev sampling each derive their own seed from it
-    out_dir: str = "runs"  # runs go to out_dir/run_name
-    run_name: str = ""  # default: <algo>-<date>-<time>
-    resume: str = ""  # a checkpoint folder, or 'auto' = the run's latest
-    verbose: bool = False  # True: engine and library logs on the console too (else in <run>/engine.log)
+from config import (Config, chat_template_kwargs, check_config, config_help, context_length, cpu_precision, cpu_threads,
+                    dry_run_report, learning_rate, packed_layout, pick_device, resolve_settings)
+from data import PromptStream, load_data
+from forward import (autocast, group_hidden_means, response_hidden_mean, response_logprobs, row_logprobs,
+                     selected_logprobs, two_context_logprobs)
+from model import check_models, pad_token_id, resolve_model, use_packed_flex
+from prompts import encode_prompt, problem_messages
+from rollout import HFRollout, Sample, greedy_answers, make_reflector, make_rollout, remote_reflector
+from runs import (RunLog, StopSignal, budget_spent, checkpoint, dev_eval, export, fields_of, forward_tokens,
+                  generated_tokens, link_checkpoint, load_rank_state, loss_note, print_summary, restore_trainer,
+                  resume_point, route_library_logs, sampler_mismatch_bound, shaping_metrics, start_branch,
+                  step_metrics, time_summary, warmup_factor)
+from verify import reward_scorer
 
 
 # ----------------------------------------------------------------------------- state and records
@@ -747,6 +616,70 @@ class Run:
     shapers: list = field(default_factory=list)  # reward shapers (make_shapers)
 
 
+def engine_lora(cfg):
+    """The rank a vLLM engine serves LoRA adapters at for this run (0: none). A 16-bit engine needs
+    vLLM's LoRA: a merge into bf16 weights rounds most of a small update away (docs/GPU.md "LoRA in
+    the engine"). An fp32 engine holds the fp32 merge exactly and takes merged pushes instead, which
+    on vLLM-CPU also generates ~10x faster (its LoRA ops are a reference implementation)."""
+    return cfg.lora_rank if cfg.engine_dtype != "float32" else 0
+
+
+def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
+    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
+    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
+    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
+    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
+    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
+
+    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
+    the engine starts from the base (a vLLM engine with LoRA on, serving the adapters of each push)
+    and is pushed the policy (lora.push_policy) on resume."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: seconds to import, not for --help
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.lora_rank:
+        policy = lora.load_policy(cfg, model_path, weights_path, device)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
+        use_packed_flex(policy)
+    attention = policy.config._attn_implementation
+    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
+        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
+                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
+                         "or --shared_prompt=False")
+    policy.train()
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forwards (forward.py)
+    policy.response_hidden_mean = types.MethodType(response_hidden_mean, policy)
+    policy = dist.shard(policy, forward_methods=("selected_logprobs", "response_hidden_mean"))
+    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
+    if cfg.kl_beta > 0 and not cfg.lora_rank:
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        reference.requires_grad_(False)
+        if policy.config._attn_implementation == grpo.PACKED_FLEX:
+            use_packed_flex(reference)
+    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
+    if engine is None:
+        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
+    if engine is None and cfg.backend == "hf":
+        shared = None if dist.active() or cfg.lora_rank else policy  # one process: the engine shares the policy's weights
+        engine = HFRollout(holds, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
+                           rank=dist.rank())
+        engine.model.to(device)
+    elif engine is None:
+        engine = make_rollout(cfg.backend, holds, dtype=cfg.engine_dtype, seed=cfg.seed,
+                              max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
+                              kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                              sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
+                              chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
+                              progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
+    if holds != weights_path:  # a resume moved on from what the engine holds
+        lora.push_policy(engine, policy)
+    return policy, reference, tokenizer, engine
+
+
 def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     """Join the process group, make the run folder, load the models for `data` (load_data's sets),
     build the optimizer and put back a checkpoint's state (resume_point read it) -> Run."""
@@ -834,8 +767,8 @@ def train_step(run):
     t = time.perf_counter()
     if hasattr(engine, "sleep"):  # GPU: the trainer gets vLLM's memory until the push (the shapers' forward too)
         engine.sleep()
-    shaping = apply_shapers(run.shapers, groups, functools.partial(rollout_features, run, groups))
-    shaping = {**shaping, **shaping_metrics(groups)} if run.shapers else {}
+    shaped = shaping.apply_shapers(run.shapers, groups, functools.partial(rollout_features, run, groups))
+    shaped = {**shaped, **shaping_metrics(groups)} if run.shapers else {}
     rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs) + auxiliary_rows(run, groups)
     if state.step < cfg.frozen_steps:  # the policy waits (CLIPO: while its head warms up); the lr schedule too
         update = Update(True, float("nan"), 0.0, 0, Counter())
@@ -858,7 +791,7 @@ def train_step(run):
         if run.is_main:
             tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
     info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
-    m = {**step_metrics(state, groups, update, info, lr, cfg), **shaping}
+    m = {**step_metrics(state, groups, update, info, lr, cfg), **shaped}
     if m["sampler_stale"] == 1.0 and run.is_main:  # the samples came from the engine after the last push
         tqdm.write(f"step {state.step}: WARNING the engine's log-probs are {m['sampler_mismatch_mean']:.3g} nats/token "
                    f"from the trainer's (bound {sampler_mismatch_bound(cfg):.3g}): it may not hold the pushed policy")
@@ -878,23 +811,23 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     saved settings apply except those in `given` (default: the fields of cfg that differ from
     Config's; see resume_point). For tests and forks: `engine` (an existing rollout engine
     holding cfg.model's weights), `reward_fn(text, problem) -> float` for the rollouts and GEPA
-    (default: --reward's scorer; the dev set is always scored by --reward), `reflector` (anything with reflect(prompts) ->
-    [(text, finished) | None], e.g. a scripted one; default: the one --reflector names).
+    (default: --reward's scorer; the dev set is always scored by --reward), `reflector`
+    (anything with reflect(prompts) -> [(text, finished) | None]; default: --reflector's).
 
     Under torchrun the same loop runs on N processes: the policy is sharded (FSDP2), each rank
     generates its share of a step's prompts with its own engine, every rank then holds all
     groups (mining, DAPO refills and accounting agree everywhere), trains on its share with
     global loss denominators and pushes the gathered weights into its engine. Rank 0 alone
     runs GEPA, logs and writes files; the loop state it leaves is broadcast to the others."""
-    cfg, resume_path, saved = resume_point(cfg, given)
-    check_config(cfg)  # settings, model and reflector: one line each, before anything loads
-    data = load_data(cfg)
+    cfg, resume_path, saved = resume_point(cfg, given)  # each check is one line, before anything heavy loads:
+    check_config(cfg)  # the settings,
+    check_models(cfg)  # the model and reflector (no download),
+    data = load_data(cfg)  # every data row, and below the reward on the first gold answer
     if reward_fn is None:  # --reward: one scorer for rollouts, GEPA and the dev set (eval.py reads the same flag)
         check_fn = reward_scorer(cfg, data[0])
         reward_fn = lambda text, problem: check_fn(text, problem).reward  # noqa: E731
     run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
-    state, is_main = run.state, run.is_main
-    stop = StopSignal()
+    state, is_main, stop = run.state, run.is_main, StopSignal()
     if is_main:
         print(loss_note(cfg, run.terms))
     if state.step == 0:

@@ -415,6 +415,18 @@ def load_reward(spec):
     return custom
 
 
+def reward_scorer(cfg, problems):
+    """--reward (cfg.reward: train.Config's or eval.py's) as check_fn(response, problem) -> Verdict, tried once on the first problem's
+    gold answer (boxed) so that a function that raises or returns no number is one line at start-up."""
+    check_fn = load_reward(cfg.reward)
+    if problems:
+        try:
+            check_fn(f"The answer is \\boxed{{{problems[0].answer}}}.", problems[0])
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"{e} (tried at start-up on its gold answer)") from None
+    return check_fn
+
+
 def load_callable(spec):
     """'module:function' (importable; the repository's root is on the path) or
     'path/to/file.py:function' -> the callable, loaded once a process (a module that loads a judge

@@ -7,7 +7,7 @@ One vLLM engine, the default run's settings (max_tokens 128, temperature 0.6, ev
 W = 4 parents x b = 3 items). Each lever runs its old and its new call pattern alternately,
 --rounds times each, and prints the median times and the ratio new/old:
   dev evaluation   old: greedy answers, then k samples (two engine calls, each as long as its
-                   longest answer); new: eval.answer_sets, one call (samples first, greedy after)
+                   longest answer); new: scoring.answer_sets, one call (samples first, greedy after)
   GEPA answers     old: one call per template (W calls of b prompts, as gepa.propose made for the
                    parents' minibatches and again for the children's); new: one call of W x b prompts
 Also printed: whether the greedy answers of old and new are identical (they should be: greedy
@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data import load_jsonl  # noqa: E402
-from eval import answer_sets, score_groups, summarize_records  # noqa: E402
+from scoring import answer_sets, score_groups, summarize_records  # noqa: E402
 from model import resolve_model  # noqa: E402
 from prompts import problem_messages  # noqa: E402
 from rollout import VLLMRollout  # noqa: E402
@@ -34,7 +34,7 @@ TEMPLATES = ["", "Work step by step and check the arithmetic.", "First find the 
 
 
 def dev_old(engine, problems, k, seed):
-    """The two calls eval.answer_sets made before issue 25."""
+    """The two calls scoring.answer_sets made before issue 25."""
     messages = [problem_messages(p) for p in problems]
     greedy = engine.generate(messages, n=1, temperature=0.0, max_tokens=128)
     sampled = engine.generate(messages, n=k, temperature=0.6, max_tokens=128, seed=seed)

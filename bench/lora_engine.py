@@ -51,7 +51,7 @@ def sft_adapters(model_path, rank, lr, steps):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import lora
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy = lora.add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16), rank, rank,

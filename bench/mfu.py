@@ -32,7 +32,7 @@ import train  # noqa: E402
 from data import load_jsonl  # noqa: E402
 from model import resolve_model  # noqa: E402
 from prompts import problem_messages  # noqa: E402
-from rollout import encode_prompt  # noqa: E402
+from prompts import encode_prompt  # noqa: E402
 
 
 def peak_flops():

@@ -92,7 +92,7 @@ def default_run_forwards(batch=16, micro_batch=8):
     from data import load_jsonl
     from model import resolve_model
     from prompts import problem_messages
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model())
     task = os.path.join(ROOT, "results", "compare", "natural")

@@ -107,6 +107,30 @@ def load_jsonl(name_or_path, skip_bad=False):
     return problems, skipped
 
 
+def load_data(cfg):
+    """(train set, dev set) of a run (`cfg`: train.Config's --train_data, --dev_data, --dev_holdout,
+    --seed), every row validated before any model loads: a bad file is one line naming the flag,
+    the file and the row."""
+    sets = []
+    for flag in ("train_data", "dev_data"):
+        try:
+            sets.append(load_jsonl(getattr(cfg, flag))[0] if getattr(cfg, flag) else [])
+        except DataError as e:
+            raise SystemExit(f"--{flag}: {e}") from None
+    if cfg.dev_holdout:
+        sets = hold_out(sets[0], cfg.dev_holdout, cfg.seed)
+    return sets
+
+
+def hold_out(problems, n, seed):
+    """(train, dev): n problems drawn (seeded, own stream) as an in-distribution dev set, the rest to train."""
+    if not 0 < n < len(problems):
+        raise SystemExit(f"--dev_holdout={n} must be between 1 and {len(problems) - 1} (the train set has {len(problems)})")
+    order = random.Random(f"holdout/{seed}").sample(range(len(problems)), len(problems))
+    held = set(order[:n])
+    return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
+
+
 def write_jsonl(path, problems):
     """Write rows atomically (temp file + rename): a killed writer leaves the old file intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -54,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from data import load_jsonl, write_jsonl  # noqa: E402
-from eval import summarize_records  # noqa: E402
+from scoring import answer_sets, summarize_records  # noqa: E402
 from gepa import leaks_answer  # noqa: E402
 from model import resolve_model, tiny_random_model  # noqa: E402
 from plot import read_jsonl  # noqa: E402
@@ -236,7 +236,7 @@ def add_train_seconds(run_dir, seconds):
 
 class Scorer:
     """Test scores of checkpoints with one engine, loaded once and pushed each checkpoint's weights.
-    A checkpoint's sets [(name, problems, template, k)] are answered together (eval.answer_sets:
+    A checkpoint's sets [(name, problems, template, k)] are answered together (scoring.answer_sets:
     one engine call for the greedy answers and the samples); the sampling seed is the same
     for every checkpoint, so arms are compared on common random numbers."""
 
@@ -250,7 +250,6 @@ class Scorer:
         from safetensors.torch import load_file
 
         from config import default_engine_dtype
-        from eval import answer_sets
         from rollout import make_rollout
 
         if self.engine is None:

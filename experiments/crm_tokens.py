@@ -26,7 +26,7 @@ from data import Problem  # noqa: E402
 from distill import crm_weights  # noqa: E402
 from model import pad_token_id  # noqa: E402
 from prompts import problem_messages  # noqa: E402
-from rollout import encode_prompt  # noqa: E402
+from prompts import encode_prompt  # noqa: E402
 from train import Config, row_logprobs  # noqa: E402
 
 

@@ -27,7 +27,7 @@ from data import load_jsonl  # noqa: E402
 from forward import row_logprobs  # noqa: E402
 from model import pad_token_id  # noqa: E402
 from prompts import problem_messages  # noqa: E402
-from rollout import encode_prompt  # noqa: E402
+from prompts import encode_prompt  # noqa: E402
 from train import gold_text  # noqa: E402
 
 

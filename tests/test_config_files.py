@@ -96,7 +96,7 @@ def test_the_official_preset_holds_the_released_scripts_values():
     wrong = {k: (getattr(cfg, k), v, src) for k, (v, src) in OFFICIAL.items() if getattr(cfg, k) != v}
     assert not wrong, wrong
     assert type(cfg.lr) is float and type(cfg.crm_high) is float  # YAML's ints and 1.0e-6 became floats
-    config.check_config(cfg, models=False)  # a valid configuration (the model is not looked up)
+    config.check_config(cfg)  # a valid configuration (the model is not looked up)
 
 
 # CLIPO's release (Qwen-Applications/CLIPO, 13c5fd6), its GSM8K script and the defaults it runs with,
@@ -125,7 +125,7 @@ def test_the_clipo_preset_holds_the_released_values_and_nothing_else():
     differ = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config(), k)}
     assert differ == {k: v for k, (v, _) in CLIPO.items() if v != getattr(Config(), k)}
     assert all(getattr(cfg, k) == v for k, (v, _) in CLIPO.items())
-    config.check_config(cfg, models=False)
+    config.check_config(cfg)
 
 
 def test_the_one_gpu_lora_preset_is_the_official_recipe_with_lora():
@@ -135,7 +135,7 @@ def test_the_one_gpu_lora_preset_is_the_official_recipe_with_lora():
     assert differ == {"lora_rank": 32, "gpu_memory_utilization": 0.55}  # alpha 32, all-linear, dropout 0, x10: defaults
     assert (cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.lora_lr_scale) == (32, "all-linear", 0.0, 10.0)
     assert train.learning_rate(cfg) == pytest.approx(1e-5)  # LoRA Without Regret's LoRA lr against full's 1e-6
-    config.check_config(cfg, models=False)
+    config.check_config(cfg)
 
 
 def test_flags_override_the_file_wherever_it_stands_and_both_count_as_given():
@@ -188,7 +188,7 @@ def test_dry_run_prints_the_resolved_settings_and_loads_nothing(tmp_path, capsys
     def no_loading(*args, **kwargs):
         raise AssertionError("--dry_run looked up or loaded a model")
 
-    monkeypatch.setattr(config, "check_model", no_loading)
+    monkeypatch.setattr(train, "check_models", no_loading)
     monkeypatch.setattr(train, "train", no_loading)
     train.main([f"--config={PRESET}", "--lr=2e-6", "--dry_run"])
     printed = json.loads(capsys.readouterr().out)

@@ -12,7 +12,8 @@ import torch
 import grpo
 import train
 from data import Problem
-from rollout import Sample, encode_prompt
+from prompts import encode_prompt
+from rollout import Sample
 from prompts import problem_messages
 from conftest import load_tiny, tiny_config
 
@@ -143,6 +144,6 @@ def test_fixed_template_needs_grpo(tmp_path, over, message):
     template = tmp_path / "rule.txt"
     template.write_text("Every trog is 13 mibs.\n")
     with pytest.raises(SystemExit, match=message):
-        train.check_config(train.Config(fixed_template=str(template), **over), models=False)
+        train.check_config(train.Config(fixed_template=str(template), **over))
     with pytest.raises(SystemExit, match="--fixed_template"):
-        train.check_config(train.Config(algo="grpo", fixed_template=str(tmp_path / "none.txt")), models=False)
+        train.check_config(train.Config(algo="grpo", fixed_template=str(tmp_path / "none.txt")))

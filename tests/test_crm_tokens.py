@@ -12,7 +12,7 @@ import crm_tokens  # noqa: E402
 
 from data import Problem  # noqa: E402
 from prompts import problem_messages  # noqa: E402
-from rollout import encode_prompt  # noqa: E402
+from prompts import encode_prompt  # noqa: E402
 
 QUESTION, RESPONSE = "How many snigs are in 2 plonks?", "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}."
 

@@ -120,7 +120,7 @@ def test_two_context_pass_and_crm_cover_every_templated_row_in_chunks():
 def test_rebuilt_row_has_identical_response_ids_and_the_original_prompt(model_path):
     from transformers import AutoTokenizer
 
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_path)
     plain = encode_prompt(tok, build_messages("What is 7 + 4 × 3?", fewshot=True))

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 import eval as evaluation
+import scoring
 from data import Problem
-from eval import answer_records, pass_at_k, pass_ks, summarize_records
+from scoring import answer_records, pass_at_k, pass_ks, summarize_records
 from rollout import Sample
 
 
@@ -33,7 +34,7 @@ def test_pass_at_k_large_n_is_stable():
 
 
 def test_default_protocol():
-    assert evaluation.default_k(30) == 16 and evaluation.default_k(500) == 0
+    assert scoring.default_k(30) == 16 and scoring.default_k(500) == 0
     assert pass_ks(16) == [1, 2, 4, 8, 16] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(0) == []
 
 
@@ -109,7 +110,7 @@ def test_eval_cli_end_to_end(vllm_engine, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluation, "make_rollout", lambda *a, **k: made.update(k) or vllm_engine)
     out = tmp_path / "res.json"
     assert evaluation.main([f"--data={path}", "--k=2", "--max_tokens=32", f"--out={out}"]) == 0
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     longest = max(len(encode_prompt(vllm_engine.tokenizer, evaluation.problem_messages(
         Problem(r["id"], r["problem"], r["answer"], source=r["source"])))) for r in rows)
@@ -176,7 +177,7 @@ def test_the_engine_context_holds_the_longest_prompt_and_max_tokens(model_path, 
     from transformers import AutoTokenizer
 
     from prompts import problem_messages
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     rows = [{"id": "a", "problem": "What is 1 + 1?", "answer": "2"},
             {"id": "b", "problem": "What is " + " + ".join(["7"] * 60) + "?", "answer": "420"}]
@@ -196,7 +197,7 @@ def test_the_engine_context_holds_the_longest_prompt_and_max_tokens(model_path, 
 
 
 def test_majority_vote_groups_equivalent_answers_and_breaks_ties_by_first_answer():
-    from eval import majority_reward
+    from scoring import majority_reward
 
     # gold 1/2: "0.5" and "\frac{1}{2}" are one vote (2) against "7" (1) -> the right answer wins
     assert majority_reward(["0.5", "7", "\\frac{1}{2}"], [1.0, 0.0, 1.0]) == 1.0
@@ -204,7 +205,7 @@ def test_majority_vote_groups_equivalent_answers_and_breaks_ties_by_first_answer
     assert majority_reward(["1/2", "\\frac{1}{2}", "3", "3", None, "3"], [1, 1, 0, 0, 0, 0]) == 0.0
     assert majority_reward(["5", "4"], [0.0, 1.0]) == 0.0 and majority_reward(["4", "5"], [1.0, 0.0]) == 1.0  # tie
     assert majority_reward([None, None], [0.0, 0.0]) == 0.0
-    row = evaluation.summarize([{"rewards": [1.0], "extracted": ["2"], "truncated": [False]}] * 2,
+    row = scoring.summarize([{"rewards": [1.0], "extracted": ["2"], "truncated": [False]}] * 2,
                                [{"rewards": [0.0, 1.0, 1.0], "extracted": ["3", "2", "2"], "lengths": [1, 1, 1]},
                                 {"rewards": [0.0, 0.0, 1.0], "extracted": ["3", "3", "2"], "lengths": [1, 1, 1]}], 3)
     assert row["maj@3"] == 0.5 and row["avg@3"] == pytest.approx(0.5)

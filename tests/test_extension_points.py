@@ -15,7 +15,7 @@ import train
 import verify
 from conftest import load_tiny, parity_reward, read_metrics, some_rows, tiny_config, update_config
 from data import Problem, load_jsonl
-from eval import score_groups
+from scoring import score_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = "examples/short_answer.py:exact_match"
@@ -136,7 +136,7 @@ def test_the_example_reward_scores_short_answers():
 ])
 def test_a_bad_reward_spec_is_one_line_before_anything_loads(tmp_path, spec, message):
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
-        config.check_config(train.Config(reward=spec, train_data=str(tmp_path / "none.jsonl")), models=False)
+        config.check_config(train.Config(reward=spec, train_data=str(tmp_path / "none.jsonl")))
 
 
 def test_a_reward_that_raises_or_returns_no_number_stops_at_start_up(tmp_path):
@@ -145,13 +145,13 @@ def test_a_reward_that_raises_or_returns_no_number_stops_at_start_up(tmp_path):
                       "def text(response, problem):\n    return 'yes'\n")
     problems = [Problem("q1", "What?", "1")]
     with pytest.raises(SystemExit, match=r"some_rewards.py:boom raised KeyError on problem q1: 'answer_key'"):
-        config.reward_scorer(train.Config(reward=f"{module}:boom"), problems)
+        verify.reward_scorer(train.Config(reward=f"{module}:boom"), problems)
     with pytest.raises(SystemExit, match=r"returned 'yes' for problem q1; it must return a finite number"):
-        config.reward_scorer(train.Config(reward=f"{module}:text"), problems)
+        verify.reward_scorer(train.Config(reward=f"{module}:text"), problems)
     module.write_text(module.read_text() + "\nimport numpy\n\ndef flag(response, problem):\n    return 'yes' in response\n\n"
                       "def score(response, problem):\n    return numpy.float32(0.5)\n")
-    assert config.reward_scorer(train.Config(reward=f"{module}:flag"), problems)("yes", problems[0]).reward == 1.0
-    assert config.reward_scorer(train.Config(reward=f"{module}:score"), problems)("x", problems[0]).reward == 0.5
+    assert verify.reward_scorer(train.Config(reward=f"{module}:flag"), problems)("yes", problems[0]).reward == 1.0
+    assert verify.reward_scorer(train.Config(reward=f"{module}:score"), problems)("x", problems[0]).reward == 0.5
 
 
 def test_a_pluggable_reward_drives_rollouts_and_evaluation(tiny_model, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import gold_logprob  # noqa: E402
 
 from data import Problem, load_jsonl  # noqa: E402
 from prompts import problem_messages  # noqa: E402
-from rollout import encode_prompt  # noqa: E402
+from prompts import encode_prompt  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import lora
+from model import served_adapter
 import train
 from rollout import WeightPushError, named_tensors
 
@@ -131,7 +132,7 @@ def test_lora_settings_are_checked_before_any_model_loads(flag, value, message):
     cfg = train.Config(lora_rank=4)
     setattr(cfg, flag, value)
     with pytest.raises(SystemExit, match=message):
-        train.check_config(cfg, models=False)
+        train.check_config(cfg)
 
 
 def test_training_moves_the_adapters_and_never_the_base(lora_run, tiny_model):
@@ -233,10 +234,10 @@ def test_eval_serves_an_adapter_checkpoint_and_an_export_as_vllms_lora_on_the_ba
     from tests.test_rollout import reference_logprobs
 
     run_dir = lora_run[1]
-    assert lora.served_adapter(os.path.join(run_dir, "latest")) == os.path.join(run_dir, "latest")
-    assert lora.served_adapter(os.path.join(run_dir, "export-000003")) == os.path.join(run_dir, "export-000003",
+    assert served_adapter(os.path.join(run_dir, "latest")) == os.path.join(run_dir, "latest")
+    assert served_adapter(os.path.join(run_dir, "export-000003")) == os.path.join(run_dir, "export-000003",
                                                                                        "adapter")
-    assert lora.served_adapter(model_path) is None
+    assert served_adapter(model_path) is None
     policy = randomise_adapters(adapted(model_path, rank=8, alpha=16), seed=2, scale=0.02)
     ckpt = tmp_path / "ckpt"
     lora.save_adapter(policy, lora.adapter_state(policy), str(ckpt))

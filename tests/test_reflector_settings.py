@@ -33,14 +33,14 @@ USER = [{"role": "user", "content": "Hi"}]
 def test_bad_reflector_settings_are_one_line(flag, message):
     cfg = parse_overrides(train.Config(), [flag])
     with pytest.raises(SystemExit) as e:
-        check_config(cfg, models=False)
+        check_config(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_reflector_chat_kwargs():
     cfg = parse_overrides(train.Config(), ["--reflect_top_p=0.95", "--reflect_top_k=20",
                                            '--reflect_chat_template_kwargs={"enable_thinking": true}'])
-    check_config(cfg, models=False)
+    check_config(cfg)
     assert reflector_chat_kwargs(cfg) == {"enable_thinking": True}
     assert reflector_chat_kwargs(train.Config()) is None  # '': the engine's own
     assert reflector_chat_kwargs(train.Config(reflect_chat_template_kwargs="{}")) == {}
@@ -70,7 +70,7 @@ def test_context_length_covers_a_real_official_reflection_prompt(model_path, fmt
     from transformers import AutoTokenizer
 
     from gepa import reflection_prompt
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_path)
     problems = [Problem("a", "What is 2 + 2?", "4"), Problem("b", "What is " + " + ".join(["7"] * 30) + "?", "210")]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from prompts import build_messages
-from rollout import HFRollout, WeightPushError, encode_prompt
+from prompts import encode_prompt
+from rollout import HFRollout, WeightPushError
 
 PROMPTS = [build_messages("What is 3 + 4?", fewshot=True),
            build_messages("What is 12 + 45?", fewshot=True),
@@ -67,7 +68,7 @@ def test_hf_backend_matches_vllm_greedy(vllm_engine, hf_model):
 
 
 def test_one_call_mixes_greedy_and_sampled_prompts(vllm_engine, hf_model):
-    """Per-prompt temperatures (eval.answer_sets' single call): the greedy prompts of a mixed call
+    """Per-prompt temperatures (scoring.answer_sets' single call): the greedy prompts of a mixed call
     answer exactly as in a greedy-only call, the sampled ones get their n samples; both backends."""
     hf = HFRollout(None, model=hf_model, tokenizer=vllm_engine.tokenizer, batch_size=2)
     for engine in (vllm_engine, hf):
@@ -173,7 +174,7 @@ def test_chat_template_kwargs_reach_the_template(model_path):
     by encode_prompt, which both backends and the trainer use."""
     from transformers import AutoTokenizer
 
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_path)
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -416,7 +417,8 @@ def test_hf_push_copies_every_parameter_and_persistent_buffers(tiny_model):
 
 
 def test_a_request_that_cannot_fit_the_context_is_an_error_not_a_short_answer(tiny_model, vllm_engine):
-    from rollout import ContextError, encode_prompt
+    from prompts import encode_prompt
+    from rollout import ContextError
 
     engine = cuda_engine(tiny_model)
     prompt = [{"role": "user", "content": "What is 2 + 2?"}]

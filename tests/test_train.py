@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import config
+
 import train
 from conftest import (MarkingEngine, full_logits_logprobs, load_tiny, p2o_config, parity_reward, read_metrics,
                       scripted_reflector, small_data, some_rows, templated_reward, tiny_config, update_config)
-from train import Config, PromptStream, parse_overrides
+from config import Config, parse_overrides
+from data import PromptStream, hold_out
 
 
 def test_overrides_are_type_checked():
@@ -478,7 +480,7 @@ def test_context_length_covers_the_longest_prompt_template_and_answer(model_path
 
     from data import Problem
     from prompts import problem_messages
-    from rollout import encode_prompt
+    from prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_path)
     problems = [Problem("a", "What is 2 + 2?", "4"), Problem("b", "What is " + " + ".join(["7"] * 30) + "?", "210")]
@@ -557,12 +559,12 @@ def test_two_mini_batches_take_two_steps_the_second_off_policy(tiny_model):
 
 def test_hold_out_is_a_seeded_disjoint_split():
     items = list(range(20))
-    train_part, dev_part = config.hold_out(items, 5, seed=1)
+    train_part, dev_part = hold_out(items, 5, seed=1)
     assert len(dev_part) == 5 and sorted(train_part + dev_part) == items
-    assert config.hold_out(items, 5, seed=1) == (train_part, dev_part)
-    assert config.hold_out(items, 5, seed=2)[1] != dev_part
+    assert hold_out(items, 5, seed=1) == (train_part, dev_part)
+    assert hold_out(items, 5, seed=2)[1] != dev_part
     with pytest.raises(SystemExit, match="dev_holdout"):
-        config.hold_out(items, 20, seed=1)
+        hold_out(items, 20, seed=1)
 
 
 def test_best_dev_checkpoint_is_kept_and_named(tiny_model, tmp_path):
@@ -846,7 +848,7 @@ def test_resume_reads_the_saved_settings_the_same_way_for_the_cli_and_train(tiny
     cfg, path, saved = train.resume_point(Config(resume=ckpt, max_steps=2))  # train(cfg): non-defaults given
     assert path == ckpt and saved["loop"]["step"] == 1
     assert (cfg.model, cfg.lr, cfg.max_steps, cfg.run_name, cfg.resume) == (tiny_model, 3e-3, 2, "t", ckpt)
-    cli = train.parse_overrides(Config(), [f"--resume={ckpt}", "--lr=2e-5"])
+    cli = config.parse_overrides(Config(), [f"--resume={ckpt}", "--lr=2e-5"])
     cfg, _, _ = train.resume_point(cli, given={"resume", "lr"})  # the CLI: a flag at its default value still wins
     assert (cfg.lr, cfg.max_steps, cfg.backend) == (2e-5, 1, "hf")
     seen = {}

@@ -19,7 +19,8 @@ sys.path.insert(0, ROOT)
 import torch
 
 import train
-from rollout import Sample, encode_prompt, named_tensors
+from prompts import encode_prompt
+from rollout import Sample, named_tensors
 
 
 class ScriptedEngine:
