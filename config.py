@@ -1,7 +1,7 @@
 """train.py's settings: the command line, --help, and every value checked before anything loads.
 
-`train.Config` (the top of train.py) holds the settings; here they are read, described and
-checked, and turned into what the run needs (device, chat-template arguments, vLLM's context):
+`Config` (below) holds the settings of train.py; here they are also read, described and
+checked, and turned into what the run needs (device, chat-template arguments, precision):
 
     cfg = parse_overrides(Config(), ["--lr=1e-6", "--group_size", "12", "--crm"])   # types checked
     check_config(cfg)             # SystemExit naming the flag: "--adv_norm is one of 'group' | 'none', got 'z'"
@@ -25,7 +25,7 @@ import torch
 
 import gepa
 import grpo
-from prompts import FORMATS, encode_prompt, problem_messages
+from prompts import FORMATS
 from verify import load_reward
 
 
@@ -43,7 +43,7 @@ class Config:
     device: str = "auto"  # training device: auto (cuda when available, else cpu) | cpu | cuda
     backend: str = "vllm"  # rollout engine: vllm | hf
     engine_dtype: str = "bfloat16"  # dtype of the rollout engine's weights
-    max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (context_length)
+    max_model_len: int = 0  # vLLM context (prompt + response tokens); 0: derived from the data (rollout.context_length)
     kv_cache_gib: int = 1  # vLLM-CPU KV cache size in GiB (~23k tokens of the default model per GiB)
     gpu_memory_utilization: float = 0.4  # GPU: share of the GPU vLLM may take; the trainer shares the GPU
     vllm_sleep_level: int = 2  # GPU: while training, 2 = drop vLLM's weights and KV cache (the push refills them), 1 = offload the weights to the host, 0 = off
@@ -304,7 +304,7 @@ def dry_run_report(cfg):
 
 
 def config_help(config_class):
-    """`python train.py --help`: every field of train.Config with its type, default and the
+    """`python train.py --help`: every field of Config with its type, default and the
     comment beside it in the class, under the class's own section headings."""
     entries, defaults = [], config_class()  # (heading, None, None) | (--name=default, type, comment)
     for line in inspect.getsource(config_class).splitlines()[1:]:
@@ -320,37 +320,62 @@ def config_help(config_class):
              "(every GPU of a node: torchrun --nproc_per_node=N train.py ...)",
              "--config=FILE: a JSON or YAML file of settings (configs/); flags override it. --dry_run: print the "
              "resolved settings as JSON and exit without loading anything.",
-             "The settings of train.Config with their defaults; the method and its formulas: docs/METHOD.md."]
+             "The settings of config.Config with their defaults; the method and its formulas: docs/METHOD.md."]
     for flag, kind, comment in entries:
         lines += ["", flag] if kind is None else [f"  {flag:<{width}}  {kind:<5}  {comment}".rstrip()]
     return "\n".join(lines)
 
 
 # Every enumerated and bounded setting, checked by check_config before anything loads.
-CHOICES = {
-    "device": ("auto", "cpu", "cuda"), "backend": ("vllm", "hf"), "reflector_backend": ("hf", "vllm"),
-    "engine_dtype": ("bfloat16", "float16", "float32", "auto"), "algo": ("p2o", "grpo", "sft"),
-    "adv_norm": ("group", "none", "raw"), "loss_agg": grpo.LOSS_AGGS, "crm_denominator": ("all", "kept"),
-    "prompt_format": FORMATS, "gepa_auto": ("", *gepa.AUTO_CANDIDATES), "vllm_sleep_level": (0, 1, 2),
-    "reflect_prompt": gepa.REFLECT_PROMPTS, "gepa_selection": gepa.SELECTIONS,
-    "gepa_accounting": gepa.ACCOUNTINGS, "packed_attention": ("auto", "flex", "dense"),
+CHOICES = {  # setting -> its allowed values; by Config's sections
+    # model and data
+    "device": ("auto", "cpu", "cuda"),
+    "backend": ("vllm", "hf"),
+    "engine_dtype": ("bfloat16", "float16", "float32", "auto"),
+    "vllm_sleep_level": (0, 1, 2),
+    "algo": ("p2o", "grpo", "sft"),
+    # loss
+    "adv_norm": ("group", "none", "raw"),
+    "loss_agg": grpo.LOSS_AGGS,
+    # P²O and reference-code parity
+    "reflector_backend": ("hf", "vllm"),
+    "crm_denominator": ("all", "kept"),
+    "prompt_format": FORMATS,
+    "gepa_auto": ("", *gepa.AUTO_CANDIDATES),
+    "reflect_prompt": gepa.REFLECT_PROMPTS,
+    "gepa_selection": gepa.SELECTIONS,
+    "gepa_accounting": gepa.ACCOUNTINGS,
+    # reward shaping, optimisation
     "clipo_loss": ("released", "textbook"),
+    "packed_attention": ("auto", "flex", "dense"),
 }
-AT_LEAST = {  # setting -> smallest allowed value
-    "max_model_len": 0, "kv_cache_gib": 1, "prompts_per_step": 1, "group_size": 1, "max_tokens": 1,
-    "max_refills": 0, "eps_low": 0.0, "eps_high": 0.0, "dual_clip": 0.0, "kl_beta": 0.0, "ppo_epochs": 1,
-    "mini_batches": 1, "tis_cap": 0.0, "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1,
-    "gepa_parents": 1, "gepa_minibatch": 1, "gepa_max_iterations": 1, "max_template_chars": 1,
-    "template_max_growth": 1.0, "guard_copy_words": 1, "reflect_answer_chars": 0, "reflector_retries": 0,
-    "reflect_temperature": 0.0, "reflect_max_tokens": 1, "reflect_top_k": 0, "dev_holdout": 0, "lr": 0.0,
-    "warmup_steps": 0, "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0, "micro_batch_size": 1,
-    "clipo_weight": 0.0, "clipo_cap": 0.0, "clipo_dim": 1, "clipo_tau": 0.0, "clipo_lr": 0.0, "clipo_weight_decay": 0.0,
-    "frozen_steps": 0, "agreement_bonus": 0.0, "agreement_cap": 0.0, "agreement_ngram": 1, "max_bad_steps": 1, "head_chunk": 1, "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0,
-    "eval_k": 0, "save_every": 0,
-    "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0, "cpu_threads": 0, "lora_rank": 0, "lora_dropout": 0.0,
+AT_LEAST = {  # setting -> its smallest allowed value; by Config's sections
+    # model and data, rollouts
+    "max_model_len": 0, "kv_cache_gib": 1, "cpu_threads": 0,
+    "prompts_per_step": 1, "group_size": 1, "max_tokens": 1, "max_refills": 0,
+    # loss
+    "eps_low": 0.0, "eps_high": 0.0, "dual_clip": 0.0, "kl_beta": 0.0, "ppo_epochs": 1, "mini_batches": 1,
+    "tis_cap": 0.0,
+    # P²O
+    "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1, "gepa_parents": 1, "gepa_minibatch": 1,
+    "gepa_max_iterations": 1, "max_template_chars": 1, "template_max_growth": 1.0, "guard_copy_words": 1,
+    "reflect_answer_chars": 0, "reflector_retries": 0, "reflect_temperature": 0.0, "reflect_max_tokens": 1,
+    "reflect_top_k": 0, "dev_holdout": 0,
+    # reward shaping
+    "clipo_weight": 0.0, "clipo_cap": 0.0, "clipo_dim": 1, "clipo_tau": 0.0, "clipo_lr": 0.0,
+    "clipo_weight_decay": 0.0, "frozen_steps": 0, "agreement_bonus": 0.0, "agreement_cap": 0.0,
+    "agreement_ngram": 1,
+    # optimisation, LoRA
+    "lr": 0.0, "warmup_steps": 0, "adam_beta1": 0.0, "adam_beta2": 0.0, "weight_decay": 0.0,
+    "micro_batch_size": 1, "head_chunk": 1, "lora_rank": 0, "lora_dropout": 0.0, "max_bad_steps": 1,
+    # schedule and outputs
+    "epochs": 1, "max_steps": 0, "max_gen_tokens": 0, "eval_every": 0, "eval_k": 0, "save_every": 0,
+    "keep_checkpoints": 0, "export_every": 0, "log_rollouts": 0,
 }
-POSITIVE = ("temperature", "top_p", "reflect_top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps",
-            "grad_clip", "reflector_timeout", "lora_alpha", "lora_lr_scale", "clipo_tau")  # > 0
+POSITIVE = (  # > 0
+    "temperature", "top_p", "reflect_top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps",
+    "grad_clip", "reflector_timeout", "lora_alpha", "lora_lr_scale", "clipo_tau",
+)
 BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2", "lora_dropout")  # < 1
 AT_MOST_ONE = ("top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
 
@@ -445,29 +470,6 @@ def pick_device(name):
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device=cuda, but torch sees no CUDA device")
     return torch.device(name)
-
-
-def context_length(cfg, tokenizer, problems, chat_kwargs):
-    """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
-    its answer. Training and GEPA prompts: the longest data prompt + the longest template
-    (gepa.max_template_length, counted as one token a character, plus the blank line) +
-    max_tokens. P²O reflection prompts (either --reflect_prompt): the meta-prompt with the
-    longest problems and answers of the data (gepa.longest_reflection_prompt) under the
-    reflector's chat template arguments (reflector_chat_kwargs, else chat_kwargs), plus the parts
-    cut to a length in characters, one token each (gepa.reflection_cut_chars: the parent template,
-    the answers and extracted answers), + reflect_max_tokens."""
-    if cfg.max_model_len:
-        return cfg.max_model_len
-    longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
-                         for p in problems)
-    need = longest_prompt + gepa.max_template_length(cfg) + 2 + cfg.max_tokens
-    if cfg.algo == "p2o":
-        messages = gepa.longest_reflection_prompt(cfg, problems)  # with its framing (ours: the prefill)
-        reflect_kwargs = reflector_chat_kwargs(cfg)
-        kwargs = chat_kwargs if reflect_kwargs is None else reflect_kwargs
-        need = max(need, len(encode_prompt(tokenizer, messages, kwargs)) + gepa.reflection_cut_chars(cfg)
-                   + cfg.reflect_max_tokens)
-    return need
 
 
 SHARED_PROMPT_CUDA_MAX = 4096  # response tokens a packed micro-batch may hold on CUDA under a dense mask

@@ -14,7 +14,7 @@ The search is pure logic around two callables, so it can be read and tested alon
     result.scores      -> [[0, 1, 0, ...], ...]                       S[candidate][dev item] in {0, 1}
     result.assignment  -> {"builtin-two_step-train-0003": [t1, t1, t2, t1, t2, t1], ...}
 
-`cfg` everywhere is train.Config (duck-typed, never imported here); only its GEPA and guard
+`cfg` everywhere is config.Config (duck-typed, never imported here); only its GEPA and guard
 fields are read: gepa_budget, gepa_auto, gepa_dev_max, gepa_parents (W), gepa_minibatch (b),
 gepa_max_iterations, max_template_chars, template_max_growth, guard_copy_words,
 reflect_answer_chars, reflect_max_tokens, the variant switches reflect_prompt, reflect_guards,
@@ -72,7 +72,7 @@ from verify import check
 
 DELIM_OPEN, DELIM_CLOSE = "<template>", "</template>"
 
-# The variant switches (train.Config; config.py validates against these). Each defaults to
+# The variant switches (config.Config; config.py validates against these). Each defaults to
 # "ours" when a config does not have it (_setting), so configs saved before them still load.
 REFLECT_PROMPTS = ("ours", "official")
 SELECTIONS = ("ours", "official")

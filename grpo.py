@@ -8,7 +8,8 @@ Shapes: G groups (prompts) of K rollouts; B = G·K rows; T = response positions 
 Standard deviation convention: UNBIASED (divide by K - 1), as torch.std and the verl/TRL GRPO
 implementations; pinned by tests/test_grpo.py. An all-equal group gets advantage 0 everywhere.
 
-Loss of one optimizer step (`policy_loss`, per token t of row i, advantage A_i):
+Loss of one optimizer step (`policy_loss`, per token t of row i, advantage A = A_i + b_it: the row's
+group advantage plus a method's per-token term, train.token_advantages, 0 by default):
     rho_t  = exp(clamp(logp_new - logp_old, -20, 20))
     l_t    = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high))       (eps_high = 0.28: DAPO clip-higher)
     dual clip (A < 0 only, c > 1): l_t = min(l_t, -A c)
@@ -131,9 +132,10 @@ def k3_kl(logp, ref_logp):
 
 
 def ppo_clip_token_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, dual_clip=0.0):
-    """Per-token PPO-clip loss and where the clip was active.
-    logp, old_logp [B, T]; advantages [B] -> (loss [B, T], clipped [B, T] bool)."""
-    adv = advantages.unsqueeze(1)  # [B, 1]
+    """Per-token PPO-clip loss and where the clip was active. logp, old_logp [B, T]; advantages [B]
+    (one per row) or [B, T] (per token: a row's A plus a method's per-token term) -> (loss [B, T],
+    clipped [B, T] bool)."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -196,7 +198,8 @@ def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, 
                 loss_agg="token-mean", max_len=None, crm_weight=None, sampler_logp=None, sampler_mask=None,
                 tis_cap=0.0):
     """One micro-batch's share of the step loss (summed over the step's micro-batches it is the
-    step loss, whatever the split) and sums for the logs. All tensors [B, T] but advantages [B].
+    step loss, whatever the split) and sums for the logs. All tensors [B, T]; advantages [B, T]
+    or [B] (one per row).
 
     logp         log-probs under the weights being trained (with grad)
     old_logp     pi_old's (None: one update per batch, so rho = 1: logp.detach())
@@ -245,6 +248,28 @@ def scatter_rows(values, mask, fill=0.0):
         out[b, positions] = torch.as_tensor(row, dtype=torch.float32, device=mask.device)
         known[b, positions] = True
     return out, known
+
+
+def mini_batch_rows(rows, n_groups, mini_batches):
+    """The rows (anything with .group and .kind) of each of an update's mini-batches: runs of whole
+    groups (a row's group: its group's index among the step's n_groups), and the rows of no group
+    (group None: a method's own) dealt to them in turn. A group outside the step's is an error.
+
+        mini_batch_rows([r0 (group 0), r1 (group 1), r2 (group 2), a (None), b (None)], 3, 2)
+        -> [[r0, r1, a], [r2, b]]
+    """
+    size = -(-n_groups // mini_batches)  # groups per mini-batch, rounded up
+    parts, loose = [[] for _ in range(-(-n_groups // size))], 0
+    for r in rows:
+        if r.group is None:
+            parts[loose % len(parts)].append(r)
+            loose += 1
+        elif 0 <= r.group < n_groups:
+            parts[r.group // size].append(r)
+        else:
+            raise ValueError(f"a {r.kind} row of group {r.group}, but the step has {n_groups} groups "
+                             "(a method's row of no group has group=None)")
+    return parts
 
 
 def micro_chunks(rows, size, shared):

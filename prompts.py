@@ -58,6 +58,12 @@ def problem_messages(p, template="", fmt="default"):
     return build_messages(p.problem, template, fewshot, fmt)
 
 
+def gold_text(p):
+    """A problem's gold response (train.py's --algo=sft): its `solution`, ended by the boxed answer the prompt asks for
+    (appended when it has none)."""
+    return p.solution if "\\boxed" in p.solution else f"{p.solution} The answer is \\boxed{{{p.answer}}}."
+
+
 def encode_prompt(tokenizer, prompt, chat_template_kwargs=None):
     """Chat messages -> chat-template ids with the generation prompt; a string -> its ids.
     Messages ending with an assistant turn are a prefill: the answer continues that text.

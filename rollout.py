@@ -61,10 +61,12 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import dist
 from config import reflector_chat_kwargs
+import gepa
 from gepa import DELIM_CLOSE, DELIM_OPEN, reflector_framing
 from model import resolve_model
-from prompts import encode_prompt
+from prompts import encode_prompt, problem_messages
 
 
 @dataclass
@@ -662,6 +664,55 @@ def make_rollout(backend, model_path, **kwargs):
     raise ValueError(f"unknown rollout backend {backend!r} (vllm | hf)")
 
 
+def context_length(cfg, tokenizer, problems, chat_kwargs):
+    """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
+    its answer. Training and GEPA prompts: the longest data prompt + the longest template
+    (gepa.max_template_length, counted as one token a character, plus the blank line) +
+    max_tokens. P²O reflection prompts (either --reflect_prompt): the meta-prompt with the
+    longest problems and answers of the data (gepa.longest_reflection_prompt) under the
+    reflector's chat template arguments (reflector_chat_kwargs, else chat_kwargs), plus the parts
+    cut to a length in characters, one token each (gepa.reflection_cut_chars: the parent template,
+    the answers and extracted answers), + reflect_max_tokens."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
+                         for p in problems)
+    need = longest_prompt + gepa.max_template_length(cfg) + 2 + cfg.max_tokens
+    if cfg.algo == "p2o":
+        messages = gepa.longest_reflection_prompt(cfg, problems)  # with its framing (ours: the prefill)
+        reflect_kwargs = reflector_chat_kwargs(cfg)
+        kwargs = chat_kwargs if reflect_kwargs is None else reflect_kwargs
+        need = max(need, len(encode_prompt(tokenizer, messages, kwargs)) + gepa.reflection_cut_chars(cfg)
+                   + cfg.reflect_max_tokens)
+    return need
+
+
+def engine_lora(cfg):
+    """The rank a vLLM engine serves LoRA adapters at for this run (0: none). A 16-bit engine needs
+    vLLM's LoRA: a merge into bf16 weights rounds most of a small update away (docs/GPU.md "LoRA in
+    the engine"). An fp32 engine holds the fp32 merge exactly and takes merged pushes instead, which
+    on vLLM-CPU also generates ~10x faster (its LoRA ops are a reference implementation)."""
+    return cfg.lora_rank if cfg.engine_dtype != "float32" else 0
+
+
+def start_engine(cfg, model_path, tokenizer, problems, chat_kwargs, device, policy=None):
+    """The rollout engine train.py's settings name (`cfg`), holding `model_path`'s weights: vLLM,
+    its context sized for `problems` (context_length), or the HF backend, which in one
+    process without LoRA generates with `policy` itself. Under torchrun each rank starts its own."""
+    if cfg.backend == "hf":
+        shared = None if dist.active() or cfg.lora_rank else policy
+        engine = HFRollout(model_path, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
+                           rank=dist.rank())
+        engine.model.to(device)
+        return engine
+    return make_rollout(cfg.backend, model_path, dtype=cfg.engine_dtype, seed=cfg.seed,
+                        max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
+                        kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                        sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
+                        chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
+                        progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
+
+
 def greedy_answers(engine, max_tokens):
     """GEPA's answering on one engine: chat prompts -> [(text, response tokens, prompt tokens)],
     greedy, so an answer is a function of its prompt (train.py shares each call over every
@@ -849,7 +900,7 @@ def make_reflector(cfg, engine, model_path, weights, counts, initial=None):
     swapped into the training engine for the reflection calls, then `weights`, the policy's full
     state dict, put back: Self-Ref), `policy` (the training engine as it is), or another local
     model (its own engine); the two Self-Ref weight sets are prepared once (PreparedWeights: cast
-    to the engine's dtype, summed) for the round's many pushes. `cfg`: train.Config. Its seeds continue from the run's count of
+    to the engine's dtype, summed) for the round's many pushes. `cfg`: config.Config. Its seeds continue from the run's count of
     reflection calls (exact resume); the framing (prefill, stop) follows --reflect_prompt; every
     reflector samples with --reflect_temperature, --reflect_top_p, --reflect_top_k and applies
     --reflect_chat_template_kwargs (when '': an engine's own chat_template_kwargs, nothing sent

@@ -364,7 +364,7 @@ def resume_point(cfg, given=None):
     if not path:
         return cfg, None, None
     saved = load_trainer_state(path)
-    config_class = type(cfg)  # train.Config
+    config_class = type(cfg)  # config.Config
     defaults, known = config_class(), {f.name for f in dataclasses.fields(config_class)}
     if given is None:
         given = {k for k in known if getattr(cfg, k) != getattr(defaults, k)}
@@ -635,8 +635,10 @@ def sampler_mismatch(sums, cfg):
             "sampler_stale": float(mean > sampler_mismatch_bound(cfg))}
 
 
-def step_metrics(state, groups, update, info, lr, cfg):
-    """One line of metrics.jsonl (and the TensorBoard train/* scalars)."""
+def step_metrics(state, groups, update, info, lr, cfg, terms=()):
+    """One line of metrics.jsonl (and the TensorBoard train/* scalars). Each AuxTerm adds loss_<name>
+    (its share of the loss), <name>_sum (the raw sum of its token_loss over its tokens, every PPO
+    epoch) and coef_<name> (its weight at this step)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, K]
     flat = [s for g in groups for s in g.samples]
     lengths = [len(s.response_ids) for s in flat]
@@ -658,6 +660,8 @@ def step_metrics(state, groups, update, info, lr, cfg):
         "clip_fraction": s["clipped_tokens"] / max(1, step_tokens * cfg.ppo_epochs),
         "entropy": s["entropy_sum"] / s["entropy_tokens"] if s["entropy_tokens"] else float("nan"),  # nothing forwarded: NaN
         **{k: v for k, v in s.items() if k.startswith("loss_")},  # loss_policy and each auxiliary term's share
+        **{key: value for t in terms for key, value in ((f"{t.name}_sum", s[f"{t.name}_sum"]),
+                                                        (f"coef_{t.name}", t.coefficient(state.step)))},
         "grad_norm": update.grad_norm, "lr": lr, "trained_rows": update.trained_rows,
         "templated_row_fraction": mean([bool(t) for g in groups for t in g.templates]),
         "dropped_failed_templated": sum(bool(t) and r <= 0 for g in groups for t, r in zip(g.templates, g.rewards))
@@ -701,17 +705,41 @@ def shaping_metrics(groups):
             "shaping_order_changed": changed / n, "shaping_order_reversed": reversed_ / n}
 
 
-def forward_tokens(rows, cfg, is_forwarded):
+def forward_tokens(rows, cfg, is_forwarded, passes=()):
     """Tokens through the policy in one step's update, for a FLOPs estimate (experiments/compare.py):
     forward + backward (the rows is_forwarded(row) selects: train.forwarded, ppo_epochs times) and
-    no-grad forwards (the CRM pass under x and x~, stored old log-probs, the reference). Counted
-    per row, prompt + response: shared-prompt packing's saving is not subtracted. Summed over ranks."""
+    no-grad forwards, each train.Pass's tokens(row) over the rows it reads (the CRM pass under x
+    and x~, stored old log-probs, the reference, a method's own). Counted per row, prompt +
+    response: shared-prompt packing's saving is not subtracted. Summed over ranks."""
     trained = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows if is_forwarded(r))
-    crm = sum(len(r.prompt_ids) + len(r.tilde_prompt_ids) + 2 * len(r.response_ids) for r in rows
-              if r.tilde_prompt_ids is not None and r.kind == "rollout")  # under x and under x~
-    stored = trained * ((cfg.ppo_epochs > 1 or cfg.mini_batches > 1) + (cfg.kl_beta > 0))
-    return {"train_fb_tokens": int(dist.all_sum(trained * cfg.ppo_epochs)),
-            "nograd_tokens": int(dist.all_sum(crm + stored))}
+    nograd = sum(p.tokens(r) for p in passes for r in rows if p.reads(r))
+    return {"train_fb_tokens": int(dist.all_sum(trained * cfg.ppo_epochs)), "nograd_tokens": int(dist.all_sum(nograd))}
+
+
+def method_metrics(metrics, *more):
+    """The metrics line with each dict of `more` (the shapers', a method's run.scalars) added; a name
+    the line already has is an error, not an overwrite."""
+    out = dict(metrics)
+    for extra in more:
+        clash = sorted(set(extra) & set(out))
+        if clash:
+            raise ValueError(f"metrics {clash} are already in the step's metrics line; name them otherwise")
+        out.update(extra)
+    return out
+
+
+def console_line(m, total_steps, terms=()):
+    """One console line per step with its main figures: reward, loss and (with terms) each part of it,
+    KL to the reference, the engine's gap to the trainer, generation tokens/s, the step's seconds."""
+    parts = [f"step {m['step']}/{total_steps}", f"reward {m['reward_mean']:.3f}",
+             f"zero-var {m['zero_variance_groups']:.2f}", f"loss {m['loss']:.4g}"]
+    if terms:
+        parts[-1] += " (" + ", ".join(f"{k[5:]} {v:.3g}" for k, v in m.items() if k.startswith("loss_")) + ")"
+    if any(t.name == "kl" for t in terms):
+        parts.append(f"kl {m['kl']:.3g}")
+    if math.isfinite(m["sampler_mismatch_mean"]):
+        parts.append(f"mismatch {m['sampler_mismatch_mean']:.3g}")
+    return "  ".join(parts + [f"{m['gen_tokens_per_s']:.0f} tok/s", f"{m['time_step']:.1f} s"])
 
 
 def loss_note(cfg, terms):
@@ -719,7 +747,7 @@ def loss_note(cfg, terms):
     parts = " + ".join(["loss_policy"] + [f"loss_{t.name}" for t in terms])
     if cfg.ppo_epochs == cfg.mini_batches == 1 and not cfg.fix_importance_ratio:
         return (f"note: loss = {parts}. With one optimizer step per batch the PPO ratio is 1, so loss_policy is "
-                "-sum_t(w_t A) / D, the advantages summed over the tokens (CRM/TIS weights w), not a fit: its "
+                "-sum_t(w_t A_t) / D, the advantages summed over the tokens (CRM/TIS weights w), not a fit: its "
                 "gradient is the policy gradient (grpo.py)")
     return f"note: loss = {parts}"
 

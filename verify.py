@@ -416,7 +416,7 @@ def load_reward(spec):
 
 
 def reward_scorer(cfg, problems):
-    """--reward (cfg.reward: train.Config's or eval.py's) as check_fn(response, problem) -> Verdict, tried once on the first problem's
+    """--reward (cfg.reward: config.Config's or eval.py's) as check_fn(response, problem) -> Verdict, tried once on the first problem's
     gold answer (boxed) so that a function that raises or returns no number is one line at start-up."""
     check_fn = load_reward(cfg.reward)
     if problems:

@@ -56,7 +56,8 @@ def child(args):
     import dist
     import rollout
     import train
-    from config import chat_template_kwargs, context_length, cpu_precision
+    from config import chat_template_kwargs, cpu_precision
+    from rollout import context_length
     from data import load_jsonl
     from model import resolve_model
     from verify import REWARDS

@@ -108,7 +108,7 @@ def load_jsonl(name_or_path, skip_bad=False):
 
 
 def load_data(cfg):
-    """(train set, dev set) of a run (`cfg`: train.Config's --train_data, --dev_data, --dev_holdout,
+    """(train set, dev set) of a run (`cfg`: config.Config's --train_data, --dev_data, --dev_holdout,
     --seed), every row validated before any model loads: a bad file is one line naming the flag,
     the file and the row."""
     sets = []

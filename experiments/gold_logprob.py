@@ -4,7 +4,7 @@ problem's gold response under the plain prompt: the confirmatory study's primary
 
     python experiments/gold_logprob.py --model=PATH --data=fictional-heldout --fact=13
 
-For every problem: its gold response (train.gold_text: the solution and the boxed answer, no
+For every problem: its gold response (prompts.gold_text: the solution and the boxed answer, no
 EOS) after the plain prompt (no template, the default prompt format), one forward with
 train.py's row_logprobs at temperature 1 (the policy's own distribution, float32), and
 - logp_mean: the mean log-prob per response token (the outcome: no floor at 0 correct, unlike accuracy),
@@ -28,7 +28,7 @@ from forward import row_logprobs  # noqa: E402
 from model import pad_token_id  # noqa: E402
 from prompts import problem_messages  # noqa: E402
 from prompts import encode_prompt  # noqa: E402
-from train import gold_text  # noqa: E402
+from prompts import gold_text  # noqa: E402
 
 
 def fact_positions(tokenizer, text, fact):

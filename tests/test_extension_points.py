@@ -183,7 +183,7 @@ def test_a_sibling_method_is_a_row_kind_a_term_and_two_hooks(tiny_model, tmp_pat
     (docs/METHOD.md §10): its rows (auxiliary_rows) and its term (aux_terms). GRPO is untouched."""
     import dist
 
-    def imitation_rows(run, groups):
+    def imitation_rows(run, groups, step):
         return [train.Row(s.prompt_ids, s.response_ids, 0.0, group=gi, kind="imitate")
                 for gi, g in enumerate(groups) if gi % dist.world() == dist.rank() and sum(g.rewards) < 2
                 for s, r in zip(g.samples, g.rewards) if r > 0]

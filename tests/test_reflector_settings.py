@@ -1,6 +1,6 @@
 """The reflector's own sampling and chat template (--reflect_top_p, --reflect_top_k,
 --reflect_chat_template_kwargs): checked by config.py, carried by rollout.make_reflector to
-EngineReflector and into both engines' generate, and counted by config.context_length.
+EngineReflector and into both engines' generate, and counted by rollout.context_length.
 (The server reflector's request body: tests/test_reflector.py.)"""
 
 from collections import Counter
@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 import train
-from config import check_config, context_length, parse_overrides, reflector_chat_kwargs
+from config import check_config, parse_overrides, reflector_chat_kwargs
+from rollout import context_length
 from data import Problem
 from rollout import EngineReflector, HFRollout, Sample
 

@@ -50,10 +50,12 @@ def test_the_pre_update_pass_gives_templated_rows_their_x_tilde_log_probs(tiny_m
     parts, sums = train.prepare_mini_batches(model, None, rows, cfg, pad_id=2, n_groups=1, terms=[])
     with torch.no_grad():
         expected = train.row_logprobs(model, [[30, 31, 5, 6, 7]], [[11, 12, 2]], 2, 1.0)[0]
-    assert rows[0].tilde_old_logp is None
-    assert torch.allclose(rows[1].tilde_old_logp, expected, atol=1e-5)
-    assert (rows[1].crm_weight is not None) == crm and sums["crm_templated_tokens"] == (3 if crm else 0)
     (batch,) = parts[0].batches
+    plain, templated = sorted(batch.rows, key=lambda r: r.tilde_prompt_ids is not None)  # the pass's copies
+    assert plain.tilde_old_logp is None
+    assert torch.allclose(templated.tilde_old_logp, expected, atol=1e-5)
+    assert (templated.crm_weight is not None) == crm and sums["crm_templated_tokens"] == (3 if crm else 0)
+    assert all(r.crm_weight is None and r.tilde_old_logp is None for r in rows)  # the step's rows are left as they were
     values, known = batch.tilde_old
     assert int(known.sum()) == 3  # the templated row's three response positions
     assert torch.allclose(values[known], expected, atol=1e-5)

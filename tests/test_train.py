@@ -10,6 +10,7 @@ import torch
 
 import config
 
+import rollout
 import train
 from conftest import (MarkingEngine, full_logits_logprobs, load_tiny, p2o_config, parity_reward, read_metrics,
                       scripted_reflector, small_data, some_rows, templated_reward, tiny_config, update_config)
@@ -486,11 +487,11 @@ def test_context_length_covers_the_longest_prompt_template_and_answer(model_path
     problems = [Problem("a", "What is 2 + 2?", "4"), Problem("b", "What is " + " + ".join(["7"] * 30) + "?", "210")]
     longest = len(encode_prompt(tok, problem_messages(problems[1])))
     grpo_cfg = Config(algo="grpo", max_tokens=100, max_template_chars=50)
-    assert config.context_length(grpo_cfg, tok, problems, {}) == longest + 50 + 2 + 100
-    assert config.context_length(Config(max_model_len=777), tok, problems, {}) == 777
+    assert rollout.context_length(grpo_cfg, tok, problems, {}) == longest + 50 + 2 + 100
+    assert rollout.context_length(Config(max_model_len=777), tok, problems, {}) == 777
     # P²O: a real reflection prompt with answers cut to reflect_answer_chars must fit with its reply
     cfg = Config(max_tokens=16, max_template_chars=40, reflect_answer_chars=60, reflect_max_tokens=30, gepa_minibatch=2)
-    need = config.context_length(cfg, tok, problems, {})
+    need = rollout.context_length(cfg, tok, problems, {})
     records = [train.gepa.reflection_record(p, "x9 " * 100, 60) for p in problems]
     meta = [{"role": "user", "content": train.gepa.meta_prompt("t" * 40, records)},
             {"role": "assistant", "content": train.gepa.DELIM_OPEN}]
