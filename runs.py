@@ -705,7 +705,7 @@ def shaping_metrics(groups):
             "shaping_order_changed": changed / n, "shaping_order_reversed": reversed_ / n}
 
 
-def forward_tokens(rows, cfg, is_forwarded, passes=()):
+def forward_tokens(rows, cfg, is_forwarded, passes):
     """Tokens through the policy in one step's update, for a FLOPs estimate (experiments/compare.py):
     forward + backward (the rows is_forwarded(row) selects: train.forwarded, ppo_epochs times) and
     no-grad forwards, each train.Pass's tokens(row) over the rows it reads (the CRM pass under x

@@ -67,11 +67,13 @@ def test_forward_tokens_by_hand():
     rows = [Row([1, 2, 3], [4, 5], 1.0),  # trained: 5 tokens
             Row([1, 2, 3], [6], 0.0),  # zero advantage: not forwarded with a gradient
             Row([1, 2], [7, 8, 9], -0.5, tilde_prompt_ids=[9, 9, 9, 1, 2])]  # trained 5; CRM pass 5 + 8
-    rule = lambda cfg: functools.partial(train.forwarded, terms=train.aux_terms(cfg))  # noqa: E731
-    cfg = train.Config()
-    assert forward_tokens(rows, cfg, rule(cfg)) == {"train_fb_tokens": 10, "nograd_tokens": 13}
-    cfg = train.Config(ppo_epochs=2, kl_beta=0.1)  # every row is forwarded (KL); old and reference forwards
-    assert forward_tokens(rows, cfg, rule(cfg)) == {"train_fb_tokens": 2 * 14, "nograd_tokens": 13 + 2 * 14}
+    def count(cfg):  # the step's two rules: train.forwarded and train.passes
+        terms = train.aux_terms(cfg)
+        return forward_tokens(rows, cfg, functools.partial(train.forwarded, terms=terms), train.passes(cfg, terms))
+
+    assert count(train.Config()) == {"train_fb_tokens": 10, "nograd_tokens": 13}
+    # every row is forwarded (KL); old and reference forwards
+    assert count(train.Config(ppo_epochs=2, kl_beta=0.1)) == {"train_fb_tokens": 2 * 14, "nograd_tokens": 13 + 2 * 14}
 
 
 def gold_problems(path, solutions=True):
