@@ -471,7 +471,7 @@ def longest_reflection_prompt(cfg, problems):
     reflection_cut_chars counts: the b problems with the longest text and answer (the official
     prompt shows each as its whole user message), an empty parent and empty answers (the official
     prompt then shows its longest, format-error feedback), in the framing of reflector_framing.
-    config.context_length: tokens of these + reflection_cut_chars + reflect_max_tokens."""
+    rollout.context_length: tokens of these + reflection_cut_chars + reflect_max_tokens."""
     longest = sorted(problems, key=lambda p: len(p.problem) + len(p.answer))[-cfg.gepa_minibatch:]
     text = reflection_prompt(cfg, "", longest, [""] * len(longest), [0.0] * len(longest))
     prefill = reflector_framing(cfg)["prefill"]

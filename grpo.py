@@ -250,16 +250,18 @@ def scatter_rows(values, mask, fill=0.0):
     return out, known
 
 
-def mini_batch_rows(rows, n_groups, mini_batches):
+def mini_batch_rows(rows, n_groups, mini_batches, first=0):
     """The rows (anything with .group and .kind) of each of an update's mini-batches: runs of whole
     groups (a row's group: its group's index among the step's n_groups), and the rows of no group
-    (group None: a method's own) dealt to them in turn. A group outside the step's is an error.
+    (group None: a method's own) dealt to them in turn, the first to mini-batch `first` (mod their
+    number; torchrun: the loose rows of the lower ranks, so the dealing continues across ranks).
+    A group outside the step's is an error.
 
         mini_batch_rows([r0 (group 0), r1 (group 1), r2 (group 2), a (None), b (None)], 3, 2)
         -> [[r0, r1, a], [r2, b]]
     """
     size = -(-n_groups // mini_batches)  # groups per mini-batch, rounded up
-    parts, loose = [[] for _ in range(-(-n_groups // size))], 0
+    parts, loose = [[] for _ in range(-(-n_groups // size))], first
     for r in rows:
         if r.group is None:
             parts[loose % len(parts)].append(r)

@@ -181,7 +181,7 @@ def forwarded(row, terms):
 def row_temperature(kind, terms, cfg):
     """The temperature of a kind's log-probs: the sampling temperature for the rollouts, a term's
     own for the rows only it reads (AuxTerm.temperature); two terms that disagree are an error."""
-    wanted = {t.temperature for t in terms if t.kind == kind and t.temperature is not None}
+    wanted = {cfg.temperature if t.temperature is None else t.temperature for t in terms if t.kind == kind}
     if kind == ROLLOUT and wanted - {cfg.temperature}:
         raise ValueError(f"a term on the rollouts reads them at the sampling temperature {cfg.temperature} "
                          f"(GRPO's ratio does), not {sorted(wanted)}")
@@ -481,6 +481,9 @@ def micro_batch_loss(policy, b, cfg, part, terms, with_entropy, coefs=None):
         sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask & rollout, tis_cap=cfg.tis_cap)
     sums = Counter(sums, loss_policy=loss.item())
     for term in terms:
+        if b.dummy or not b.of_kind(term.kind).any():  # none of its rows here (their share would be 0)
+            sums.update({f"loss_{term.name}": 0.0, f"{term.name}_sum": 0.0})
+            continue
         mask, d = (b.loss_mask & b.of_kind(term.kind)).to(logp.dtype), part.aux[term.kind]
         token_loss = term.token_loss(logp, b)  # [B, L-1]
         coef = coefs[term.name] if coefs else term.coefficient(1)
@@ -523,7 +526,8 @@ def prepare_mini_batches(policy, reference, rows, cfg, *, pad_id, n_groups, term
     parts, sums = [], Counter()
     old_logprobs = functools.partial(row_logprobs, policy, pad_id=pad_id, temperature=cfg.temperature,
                                      shared=cfg.shared_prompt, chunk=cfg.head_chunk)
-    for part in grpo.mini_batch_rows(rows, n_groups, cfg.mini_batches):
+    loose = dist.gather_objects(sum(r.group is None for r in rows))  # rows of no group, on each rank
+    for part in grpo.mini_batch_rows(rows, n_groups, cfg.mini_batches, first=sum(loose[:dist.rank()])):
         at = [i for i, r in enumerate(part) if r.kind == ROLLOUT]
         rollouts = [part[i] for i in at]
         with torch.no_grad(), autocast(cfg, next(policy.parameters()).device):
@@ -565,6 +569,8 @@ def policy_update(policy, reference, optimizer, rows, cfg, *, pad_id, n_groups=N
     n_groups = n_groups or max((r.group for r in rows if r.group is not None), default=0) + 1
     terms = aux_terms(cfg) if terms is None else terms
     coefs = {t.name: t.coefficient(step) for t in terms}
+    if len(coefs) < len(terms) or "policy" in coefs:
+        raise ValueError(f"AuxTerm names {[t.name for t in terms]}: each once, and not 'policy' (loss_policy is GRPO's)")
     parts, sums = prepare_mini_batches(policy, reference, rows, cfg, pad_id=pad_id, n_groups=n_groups, terms=terms)
     snapshot = dist.cpu_snapshot(policy, optimizer) if cfg.ppo_epochs * len(parts) > 1 else None
     losses, grad_norm, n_trained = [], 0.0, dist.all_sum(sum(p.trained for p in parts))

@@ -129,19 +129,25 @@ def cycle_through(graph, group):
     return group + [start]
 
 
+def repository_sources():
+    """{path: parsed module} of the project's source: the top level and one folder down."""
+    paths = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "*", "*.py")))
+    sources = {}
+    for path in paths:
+        if os.sep + ".venv" + os.sep not in path:
+            with open(path) as f:
+                sources[path] = ast.parse(f.read())
+    return sources
+
+
 def problems():
     out = []
     with open(os.path.join(ROOT, "train.py")) as f:
         lines = len(f.read().splitlines())
     if lines >= 1000:
         out.append(f"train.py: {lines} lines (keep it under 1,000)")
-    paths = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "*", "*.py")))
-    sources = {}
-    for path in paths:
-        if os.sep + ".venv" + os.sep in path:
-            continue
-        with open(path) as f:
-            sources[path] = tree = ast.parse(f.read())
+    sources = repository_sources()
+    for path, tree in sources.items():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} "

@@ -103,6 +103,8 @@ def test_mini_batches_take_rows_of_no_group_in_turn_and_refuse_a_group_outside_t
     parts = grpo.mini_batch_rows(rows, 3, 2)  # groups 0-1 and 2; the three loose rows dealt 0, 1, 0
     assert [[(r.group, r.kind) for r in p] for p in parts] == [
         [(0, "rollout"), (1, "rollout"), (None, "gold"), (None, "gold")], [(2, "rollout"), (None, "gold")]]
+    later = grpo.mini_batch_rows(rows, 3, 2, first=1)  # torchrun: a lower rank dealt one loose row already
+    assert [sum(r.group is None for r in p) for p in later] == [1, 2]
     with pytest.raises(ValueError, match="a gold row of group 5, but the step has 3 groups"):
         grpo.mini_batch_rows(rows + [Row([1], [2], 0.0, group=5, kind="gold")], 3, 2)
 
@@ -112,7 +114,11 @@ def test_a_term_at_its_own_temperature_with_a_weight_that_follows_the_step(tiny_
     NLL of its rows at T = 1, not at T = 0.6; GRPO's loss is the one without it."""
     model = load_tiny(tiny_model)
     gold = [Row([5, 6], [9, 10, 11, 2], 0.0, kind="gold"), Row([8], [12, 2], 0.0, kind="gold")]
-    sft = train.AuxTerm("sft", "gold", lambda step: 0.5 ** step, lambda logp, b: -logp, temperature=1.0)
+    def nll(logp, b):  # run only on micro-batches that hold its rows (here: not the rollouts', at 0.6)
+        assert any(r.kind == "gold" for r in b.rows)
+        return -logp
+
+    sft = train.AuxTerm("sft", "gold", lambda step: 0.5 ** step, nll, temperature=1.0)
     cfg = update_config(temperature=0.6, mini_batches=2)
     rollouts = [Row([5, 6, 7], [9, 10, 2], 1.0, group=0), Row([8], [11, 12, 13, 2], -1.0, group=1)]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -129,6 +135,12 @@ def test_a_term_at_its_own_temperature_with_a_weight_that_follows_the_step(tiny_
     assert out.sums["loss_policy"] == pytest.approx(base.sums["loss_policy"], abs=1e-7)
     with pytest.raises(ValueError, match="sampling temperature 0.6"):
         train.row_temperature(train.ROLLOUT, [train.AuxTerm("x", train.ROLLOUT, 1.0, None, temperature=1.0)], cfg)
+    with pytest.raises(ValueError, match="different temperatures"):  # None is the sampling temperature, not 1.0
+        train.row_temperature("gold", [sft, train.AuxTerm("y", "gold", 1.0, None)], cfg)
+    for names in (["sft", "sft"], ["policy"]):
+        with pytest.raises(ValueError, match="each once, and not 'policy'"):
+            train.policy_update(model, None, opt, rollouts + gold, cfg, pad_id=2, n_groups=2,
+                                terms=[train.AuxTerm(n, "gold", 1.0, nll) for n in names])
 
 
 def test_a_decaying_supervised_method_in_a_run(tiny_model, tmp_path, monkeypatch, capsys):
@@ -170,14 +182,15 @@ def test_a_token_bonus_method_with_its_own_pass_in_a_run(tiny_model, tmp_path, m
                                                               [r.response_ids for r in rows], run.pad_id, 1.0)]
 
     def bonus(run, groups, rows, step):
-        out = {i: [0.1 if lp < -8 else 0.0 for lp in r.data["logp"]] for i, r in enumerate(rows) if r.reward > 0}
+        out = {i: [0.1 if lp < -8 else 0.0 for lp in r.data["logp"]] for i, r in enumerate(rows) if "logp" in r.data}
         assert {r.problem_id for r in rows} == {g.problem.id for g in groups}
         bonuses.append((sum(map(sum, out.values())), sum(len(r.response_ids) for r in rows)))
         return out
 
     plain_passes = train.passes
     monkeypatch.setattr(train, "passes", lambda cfg, terms: plain_passes(cfg, terms) + [
-        train.Pass("logp", lambda r: r.reward > 0, lambda r: len(r.prompt_ids) + len(r.response_ids), logprobs)])
+        train.Pass("logp", lambda r: r.kind == train.ROLLOUT and r.reward > 0,
+                   lambda r: len(r.prompt_ids) + len(r.response_ids), logprobs)])
     monkeypatch.setattr(train, "token_advantages", bonus)
     out = train.train(tiny_config(tiny_model, tmp_path, max_steps=2, save_every=0), reward_fn=lambda t, p: 1.0)
     metrics = read_metrics(tmp_path / "t")

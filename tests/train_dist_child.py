@@ -97,13 +97,13 @@ def main(job_path):
         finally:
             engine.in_gepa = False
     train.end_epoch = marked_end_epoch
-    bonuses, apply_shapers = [], train.apply_shapers
+    bonuses, apply_shapers = [], train.shaping.apply_shapers
 
     def recorded_shapers(shapers, groups, features):  # this rank's bonuses per step
         logs = apply_shapers(shapers, groups, features)
         bonuses.append([g.bonus for g in groups])
         return logs
-    train.apply_shapers = recorded_shapers
+    train.shaping.apply_shapers = recorded_shapers
     out = train.train(cfg, engine=engine, reward_fn=reward, reflector=reflect)
     rank = int(os.environ.get("RANK", "0"))
     torch.save({"state": train.fields_of(out["state"]), "pushes": engine.pushes, "pushed": engine.pushed,
