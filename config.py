@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import difflib
 import inspect
 import json
+import math
 import os
 
 import torch
@@ -383,6 +384,10 @@ AT_MOST_ONE = ("top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
 def check_config(cfg):
     """Every setting's value, before anything loads: one line naming the flag, no traceback. What
     needs a model, the data or the reward's first call is checked where the run starts (train.train)."""
+    for f in dataclasses.fields(cfg):  # NaN passes every range check below, inf most of them
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"--{f.name} must be a finite number, got {value}")
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise SystemExit(f"--{name} is one of {' | '.join(map(repr, allowed))}, got {getattr(cfg, name)!r}")

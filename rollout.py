@@ -48,6 +48,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -444,6 +445,8 @@ class VLLMRollout:
                 else:
                     tensor = tensor.detach().to(self.dtype)
                     sent[name] = checksum([tensor], self.dtype)
+                if not math.isfinite(sent[name][2]):  # a NaN or inf anywhere makes the sum of squares one
+                    raise WeightPushError(f"{name} holds NaN or inf: refused before it reached the engine")
                 yield name, tensor
 
         items = stream()
@@ -501,6 +504,8 @@ class VLLMRollout:
             tensors[key] = tensor
             module = key.removeprefix("base_model.model.").split(f".lora_{kind}.")[0]
             sent.append((module, kind, checksum([tensor], self.dtype)[1:]))
+            if not math.isfinite(sent[-1][2][1]):
+                raise WeightPushError(f"{key} holds NaN or inf: refused before it reached the engine")
         if self._adapter_dir is None:
             self._adapter_dir = tempfile.mkdtemp(prefix="p2o-adapters-")
         number = (self.adapter.lora_int_id if self.adapter else 0) + 1
@@ -645,6 +650,8 @@ class HFRollout:
         params = dict(self.model.named_parameters())  # a tied head appears once, as the embedding
         buffers = dict(self.model.named_buffers())
         for name, tensor in named_tensors(weights):
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise WeightPushError(f"{name} holds NaN or inf: refused before it reached the engine")
             if name in params:
                 params.pop(name).copy_(tensor)
             elif name in buffers:

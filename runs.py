@@ -82,6 +82,30 @@ def write_atomic(path, write):
     os.replace(tmp, path)
 
 
+class NonFiniteError(RuntimeError):
+    """Weights or optimizer state holding NaN or inf, refused where a checkpoint or export would write them."""
+
+
+def tensors_in(obj, prefix=""):
+    """(name, tensor) of every tensor in nested dicts, lists and tuples (an optimizer's state_dict too)."""
+    if torch.is_tensor(obj):
+        yield prefix, obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor shard: this rank's part
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from tensors_in(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from tensors_in(value, f"{prefix}[{i}]")
+
+
+def require_finite(what, *objs):
+    """NonFiniteError naming `what` and the first tensors of `objs` (tensors_in) with a NaN or inf."""
+    bad = [name for obj in objs for name, t in tensors_in(obj) if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise NonFiniteError(f"{what}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}"
+                             f"{', ...' if len(bad) > 3 else ''}); not written, the earlier checkpoints stand")
+
+
 def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     """ckpt-NNNNNN/ = an HF model folder + trainer.pt (the dict `trainer`), written atomically;
     then `latest` names it. A checkpoint of the same step already on this branch holds the same
@@ -94,6 +118,7 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     name = f"ckpt-{step:06d}"
     path = os.path.join(run_dir, name)
     if not dist.active():
+        require_finite(name, trainer, lora.adapter_state(policy) if lora.is_lora(policy) else policy.state_dict())
         if os.path.isdir(path):
             write_train_config(path, trainer["config"])
             write_atomic(os.path.join(path, "trainer.pt"), lambda tmp: torch.save(trainer, tmp))
@@ -111,6 +136,8 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     # Each dist.section() ends on every rank together, like a barrier; a file that fails to be
     # written on any rank ends every rank with that error instead of leaving them waiting.
     own_file = f"rank-{dist.rank()}.pt"
+    with dist.section():  # every rank's shard and (rank 0) the trainer state: a failure ends every rank
+        require_finite(f"{name} (rank {dist.rank()})", own, trainer if dist.is_main() else None)
     if os.path.isdir(path):  # one file system: every rank sees the same folders
         with dist.section():
             write_atomic(os.path.join(path, own_file), lambda tmp: torch.save(own, tmp))
@@ -122,6 +149,8 @@ def save_checkpoint(run_dir, step, policy, tokenizer, trainer, own=None):
     else:
         adapted = lora.is_lora(policy)  # a collective either way; rank 0 writes them, from CPU memory
         weights = lora.adapter_state(policy) if adapted else dist.full_state_dict(policy, main_only=True)
+        with dist.section():
+            require_finite(name, weights if dist.is_main() else None)
         tmp = os.path.join(run_dir, f".partial-{name}")  # a name every rank knows
         with dist.section():
             if dist.is_main():
@@ -162,6 +191,7 @@ def save_export(run_dir, step, policy, tokenizer, config):
     dtype = torch.float32 if adapters is not None else torch.bfloat16
     with dist.section():  # the others wait for rank 0's files; if writing them fails, every rank raises the error
         if dist.is_main():
+            require_finite(os.path.basename(path), weights, adapters)
             with atomic_directory(path) as tmp:
                 save_model(policy, {k: v.to(dtype) for k, v in weights.items()}, tmp, dtype=str(dtype).removeprefix("torch."))
                 tokenizer.save_pretrained(tmp)

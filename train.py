@@ -44,6 +44,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 import types
@@ -955,7 +956,8 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
         if dist.all_max(int(stop.signal is not None)):  # every rank takes the same branch
             if is_main:
                 print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
-            return {"step": state.step, "checkpoint": final_path, "interrupted": True}
+            return {"step": state.step, "checkpoint": final_path, "interrupted": True,
+                    "signal": stop.signal or signal.SIGTERM}  # a rank another rank's signal stopped
         records = run.log.dev_records() if is_main else []
         if run.dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
             dev_eval(run)
@@ -987,7 +989,9 @@ def main(argv):
     if dry_run:
         dry_run_report(resume_point(cfg, given)[0])
         return
-    train(cfg, given=given)
+    out = train(cfg, given=given)
+    if out.get("interrupted"):  # saved, but not complete: a scheduler or `train && eval` must not see success
+        sys.exit(128 + out["signal"])  # as a shell reports a signal's end (docs/TRAINING.md, "Exit status")
 
 
 if __name__ == "__main__":
