@@ -7,6 +7,7 @@
     groups[0][2]  -> Sample(prompt_ids=[1, 9690, ...], response_ids=[17, 1232, ..., 2],
                             text="2 + 3 = 5 ...", finish_reason="stop", logprobs=[-0.41, ...])
     engine.push_weights(policy.state_dict())               # verified; raises on any mismatch
+    policy, reference, tokenizer, engine = load_models(cfg, ...)   # what train.py's run starts with
 
 A prompt is either chat messages (a list of {"role", "content"} dicts, rendered with the model's
 chat template and a generation prompt) or a raw string. Both backends tokenise prompts with the
@@ -53,6 +54,7 @@ import os
 import shutil
 import tempfile
 import time
+import types
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -63,10 +65,13 @@ import torch
 from tqdm import tqdm
 
 import dist
-from config import reflector_chat_kwargs
+import grpo
+import lora
+from config import packed_layout, reflector_chat_kwargs
+from forward import response_hidden_mean, selected_logprobs
 import gepa
 from gepa import DELIM_CLOSE, DELIM_OPEN, reflector_framing
-from model import resolve_model
+from model import resolve_model, use_packed_flex
 from prompts import encode_prompt, problem_messages
 
 
@@ -718,6 +723,51 @@ def start_engine(cfg, model_path, tokenizer, problems, chat_kwargs, device, poli
                         sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
                         chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
                         progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
+
+
+def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
+    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
+    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
+    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
+    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
+    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
+
+    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
+    the engine starts from the base (a vLLM engine with LoRA on, serving the adapters of each push)
+    and is pushed the policy (lora.push_policy) on resume."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers takes seconds to import
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.lora_rank:
+        policy = lora.load_policy(cfg, model_path, weights_path, device)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
+    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
+        use_packed_flex(policy)
+    attention = policy.config._attn_implementation
+    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
+        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
+                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
+                         "or --shared_prompt=False")
+    policy.train()
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forwards (forward.py)
+    policy.response_hidden_mean = types.MethodType(response_hidden_mean, policy)
+    policy = dist.shard(policy, forward_methods=("selected_logprobs", "response_hidden_mean"))
+    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
+    if cfg.kl_beta > 0 and not cfg.lora_rank:
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        reference.requires_grad_(False)
+        if policy.config._attn_implementation == grpo.PACKED_FLEX:
+            use_packed_flex(reference)
+    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
+    if engine is None:
+        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
+        engine = start_engine(cfg, holds, tokenizer, problems, chat_kwargs, device, policy)
+    if holds != weights_path:  # a resume moved on from what the engine holds
+        lora.push_policy(engine, policy)
+    return policy, reference, tokenizer, engine
 
 
 def greedy_answers(engine, max_tokens):

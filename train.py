@@ -47,7 +47,6 @@ import random
 import signal
 import sys
 import time
-import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -64,11 +63,10 @@ import shaping
 from config import (Config, chat_template_kwargs, check_config, config_help, cpu_precision, cpu_threads,
                     dry_run_report, learning_rate, packed_layout, pick_device, resolve_settings)
 from data import PromptStream, load_data
-from forward import (autocast, group_hidden_means, response_hidden_mean, response_logprobs, row_logprobs,
-                     selected_logprobs, two_context_logprobs)
-from model import check_models, pad_token_id, resolve_model, use_packed_flex
+from forward import autocast, group_hidden_means, response_logprobs, row_logprobs, two_context_logprobs
+from model import check_models, pad_token_id, resolve_model
 from prompts import encode_prompt, gold_text, problem_messages
-from rollout import Sample, greedy_answers, make_reflector, remote_reflector, start_engine
+from rollout import Sample, greedy_answers, load_models, make_reflector, remote_reflector
 from runs import (RunLog, StopSignal, budget_spent, checkpoint, console_line, dev_eval, export, fields_of,
                   forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note, method_metrics,
                   print_summary, restore_trainer, resume_point, route_library_logs, sampler_mismatch_bound,
@@ -166,7 +164,7 @@ def kl_token_loss(logp, b):
     """The KL term's per-token k3 against the frozen reference's log-probs (pre_update_pass)."""
     if b.ref_logp is None:
         raise ValueError("kl_beta > 0 needs the frozen reference model: pass policy_update a reference "
-                         "(train.load_models builds it when kl_beta > 0)")
+                         "(rollout.load_models builds it when kl_beta > 0)")
     return grpo.k3_kl(logp, b.ref_logp)
 
 
@@ -721,51 +719,6 @@ class Run:
     shapers: list = field(default_factory=list)  # reward shapers (make_shapers)
     passes: list = field(default_factory=list)  # the step's no-grad passes (passes)
     scalars: dict = field(default_factory=dict)  # a method's own numbers for this step's metrics line (rank 0's)
-
-
-def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
-    """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
-    frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
-    the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
-    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
-    rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
-
-    LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
-    the engine starts from the base (a vLLM engine with LoRA on, serving the adapters of each push)
-    and is pushed the policy (lora.push_policy) on resume."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: seconds to import, not for --help
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg.lora_rank:
-        policy = lora.load_policy(cfg, model_path, weights_path, device)
-    else:
-        policy = AutoModelForCausalLM.from_pretrained(weights_path, dtype=torch.float32).to(device)
-    if cfg.shared_prompt and packed_layout(cfg, device.type)[1] == "flex":
-        use_packed_flex(policy)
-    attention = policy.config._attn_implementation
-    if cfg.shared_prompt and attention not in grpo.PACKED_ATTENTION:
-        raise SystemExit(f"--shared_prompt=True packs rows with a 4D attention mask, which {attention!r} attention "
-                         f"does not take; use a model that loads with {' or '.join(grpo.PACKED_ATTENTION)}, "
-                         "or --shared_prompt=False")
-    policy.train()
-    if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy.selected_logprobs = types.MethodType(selected_logprobs, policy)  # the trainer's forwards (forward.py)
-    policy.response_hidden_mean = types.MethodType(response_hidden_mean, policy)
-    policy = dist.shard(policy, forward_methods=("selected_logprobs", "response_hidden_mean"))
-    reference = policy if cfg.kl_beta > 0 and cfg.lora_rank else None  # LoRA: read with its adapters off
-    if cfg.kl_beta > 0 and not cfg.lora_rank:
-        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
-        reference.requires_grad_(False)
-        if policy.config._attn_implementation == grpo.PACKED_FLEX:
-            use_packed_flex(reference)
-    holds = model_path  # the weights the engine holds: a given engine has cfg.model's
-    if engine is None:
-        holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
-        engine = start_engine(cfg, holds, tokenizer, problems, chat_kwargs, device, policy)
-    if holds != weights_path:  # a resume moved on from what the engine holds
-        lora.push_policy(engine, policy)
-    return policy, reference, tokenizer, engine
 
 
 def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):

@@ -6,7 +6,7 @@ checkpoint size and push time.
 
 Training: each arm (full, LoRA at each --ranks) runs in its own child process, alternating
 full -> LoRA r -> ... for --rounds rounds, so each peak is its own and the machine's drift falls
-on every arm alike. A child loads the policy exactly as train.py does (train.load_models: fp32
+on every arm alike. A child loads the policy exactly as train.py does (rollout.load_models: fp32
 master weights, or a frozen base in the training dtype with fp32 adapters), builds train.py's
 AdamW over what trains, and runs train.policy_update on the same synthetic step (--groups
 prompts x --k responses of --response tokens, advantages +-1) once as a warm-up and --steps
@@ -78,6 +78,7 @@ def synthetic_rows(args, vocab):
 def run_train(args):
     import torch
 
+    import rollout
     import runs
     import train
     from model import resolve_model
@@ -90,7 +91,7 @@ def run_train(args):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     before = rss_mb()
-    policy, reference, tokenizer, _ = train.load_models(cfg, model_path, model_path, object(), device, [], {})
+    policy, reference, tokenizer, _ = rollout.load_models(cfg, model_path, model_path, object(), device, [], {})
     trained = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=train.learning_rate(cfg))
     rows = synthetic_rows(args, policy.config.vocab_size)
