@@ -232,16 +232,30 @@ def read_config_file(path):
             text = f.read()
     except OSError as e:
         raise SystemExit(f"--config: cannot read {path}: {e.strerror}") from None
+    def unique(pairs, where=""):  # a key given twice is a mistake, not "the last one wins"
+        keys = [k for k, _ in pairs]
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise SystemExit(f"--config: {path}{where}: {', '.join(twice)} given more than once")
+        return dict(pairs)
+
     if path.endswith(".json"):
         try:
-            settings = json.loads(text)
+            settings = json.loads(text, object_pairs_hook=unique)
         except json.JSONDecodeError as e:
             raise SystemExit(f"--config: {path} is not valid JSON: {e}") from None
     else:
         import yaml  # lazy: only a YAML config needs PyYAML
 
+        class Loader(yaml.SafeLoader):
+            def construct_mapping(self, node, deep=False):
+                self.flatten_mapping(node)  # YAML's merge keys (<<), as SafeLoader takes them
+                mark = node.start_mark
+                return unique([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                               for k, v in node.value], f" line {mark.line + 1}")
+
         try:
-            settings = yaml.safe_load(text)
+            settings = yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:  # one line naming the file and the place
             raise SystemExit(f"--config: {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if settings is None:  # an empty file (or comments only): no settings

@@ -33,6 +33,7 @@ Two rules, chosen by name (`--reward`; `load_reward` also takes any Python calla
     "\\boxed{3.14159}" vs "3.1416":  ours 0, official 1 (relative 1e-4)
 """
 
+import contextlib
 import json
 import math
 import numbers
@@ -43,6 +44,8 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 MAX_ANSWER_CHARS = 1000  # a longer boxed answer scores 0 ('answer_too_long')
 MAX_NESTING = 64  # deeper bracket nesting scores 0 ('too_deeply_nested')
@@ -408,6 +411,8 @@ def load_reward(spec):
         except Exception as e:  # noqa: BLE001 -- named, with the problem, then raised on
             raise RuntimeError(f"--reward={spec} raised {type(e).__name__} on problem "
                                f"{getattr(problem, 'id', '?')}: {e}") from e
+        if isinstance(value, np.bool_):  # numpy's bool is no numbers.Real; Python's bool is
+            value = bool(value)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):  # bool, int, float, numpy scalars
             raise ValueError(f"--reward={spec} returned {value!r} for problem {getattr(problem, 'id', '?')}; "
                              "it must return a finite number")
@@ -440,15 +445,16 @@ def load_callable(spec):
     if not source or not name:
         raise ValueError(f"--reward is one of {' | '.join(map(repr, CHECKS))} | module:function | "
                          f"path/to/file.py:function, got {spec!r}")
-    try:
-        if source.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
-            if module_spec is None or not os.path.isfile(source):
-                raise FileNotFoundError(f"no file {source}")
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(source)
+    try:  # what the module prints goes to stderr: stdout may be --dry_run's JSON
+        with contextlib.redirect_stdout(sys.stderr):
+            if source.endswith(".py"):
+                module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+                if module_spec is None or not os.path.isfile(source):
+                    raise FileNotFoundError(f"no file {source}")
+                module = importlib.util.module_from_spec(module_spec)
+                module_spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(source)
     except Exception as e:  # noqa: BLE001 -- whatever the module raises while importing: one line
         raise ValueError(f"--reward={spec}: cannot import {source} ({type(e).__name__}: {e})") from None
     fn = getattr(module, name, None)

@@ -98,3 +98,48 @@ def test_an_interrupted_run_exits_with_the_signals_status(monkeypatch):
     assert stopped.value.code == 128 + signal.SIGTERM == 143
     monkeypatch.setattr(train, "train", lambda cfg, given: {"step": 1})
     assert train.main(["--max_steps=1"]) is None  # exit status 0
+
+
+# ----------------------------------------------------------------------------- config files and custom rewards
+
+
+@pytest.mark.parametrize("name, text", [("run.yaml", "lr: 1e-6\ngroup_size: 4\nlr: 2e-6\n"),
+                                        ("run.json", '{"lr": 1e-6, "group_size": 4, "lr": 2e-6}'),
+                                        ("nested.yaml", "chat_template_kwargs:\n  a: 1\n  a: 2\n")])
+def test_a_setting_given_twice_in_a_config_file_is_an_error_not_the_last_one(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    key = "a" if name == "nested.yaml" else "lr"
+    with pytest.raises(SystemExit, match=f"--config: .*{name}.*: {key} given more than once"):
+        config.read_config_file(str(path))
+
+
+def test_a_yaml_merge_key_still_reads(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b\n  x: 1\nrest:\n  <<: *b\n  y: 2\n")
+    assert config.read_config_file(str(path))["rest"] == {"x": 1, "y": 2}
+
+
+def test_a_reward_may_return_numpys_bool_and_print_at_import(tmp_path, capsys):
+    import verify
+    from data import Problem
+
+    module = tmp_path / "loud_rewards.py"
+    module.write_text("import numpy\nprint('loading my judge')\n\n"
+                      "def flag(response, problem):\n    return numpy.bool_('yes' in response)\n")
+    check_fn = verify.load_reward(f"{module}:flag")
+    assert check_fn("yes", Problem("q", "?", "1")).reward == 1.0 and check_fn("no", Problem("q", "?", "1")).reward == 0.0
+    out = capsys.readouterr()
+    assert out.out == "" and "loading my judge" in out.err  # stdout stays --dry_run's JSON alone
+
+
+def test_dry_run_json_survives_a_reward_that_prints_at_import(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    module = tmp_path / "chatty.py"
+    module.write_text("print('hello from the reward module')\n\ndef score(response, problem):\n    return 1.0\n")
+    out = subprocess.run([sys.executable, "train.py", f"--reward={module}:score", "--dry_run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout)["reward"] == f"{module}:score"
