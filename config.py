@@ -27,7 +27,7 @@ import torch
 import gepa
 import grpo
 from prompts import FORMATS
-from verify import load_reward
+from verify import REWARD_ERRORS, load_reward
 
 
 @dataclass
@@ -109,6 +109,8 @@ class Config:
     crm_denominator: str = "all"  # all: masked tokens still count in token-mean (reference) | kept: sum of CRM weights
     fix_importance_ratio: bool = False  # templated rows: pi_old under x~, so rho = pi(y|x) / pi_old(y|x~), PPO-clipped (official fix_importance_ratio)
     reward: str = "ours"  # ours: the final \boxed{} equals the answer | official: exactly one \boxed, numbers within 1e-4 | module:function or file.py:function, any (response, problem) -> float (verify.load_reward)
+    reward_timeout: float = 60.0  # seconds a custom --reward may take on one response (0 = no bound); then it has failed
+    reward_errors: str = "stop"  # a custom --reward that raises, times out or returns no number: stop (naming the problem) | zero (score 0, counted: reward_failures)
     reflect_prompt: str = "ours"  # ours: a short general instruction | official: GEPA's proposal prompt, asks for domain facts (gepa.py)
     reflect_guards: bool = True  # reject leaking, copying, long, repetitive or duplicate templates (official: none)
     gepa_selection: str = "ours"  # parents: ours (fronts of solved items, pruned, with replacement) | official (zero ties, distinct)
@@ -362,6 +364,7 @@ CHOICES = {  # setting -> its allowed values; by Config's sections
     "gepa_accounting": gepa.ACCOUNTINGS,
     # reward shaping, optimisation
     "clipo_loss": ("released", "textbook"),
+    "reward_errors": REWARD_ERRORS,
     "packed_attention": ("auto", "flex", "dense"),
 }
 AT_LEAST = {  # setting -> its smallest allowed value; by Config's sections
@@ -375,7 +378,7 @@ AT_LEAST = {  # setting -> its smallest allowed value; by Config's sections
     "tau": 0, "gepa_min_hard": 1, "gepa_budget": 1, "gepa_dev_max": 1, "gepa_parents": 1, "gepa_minibatch": 1,
     "gepa_max_iterations": 1, "max_template_chars": 1, "template_max_growth": 1.0, "guard_copy_words": 1,
     "reflect_answer_chars": 0, "reflector_retries": 0, "reflect_temperature": 0.0, "reflect_max_tokens": 1,
-    "reflect_top_k": 0, "dev_holdout": 0,
+    "reflect_top_k": 0, "dev_holdout": 0, "reward_timeout": 0.0,
     # reward shaping
     "clipo_weight": 0.0, "clipo_cap": 0.0, "clipo_dim": 1, "clipo_tau": 0.0, "clipo_lr": 0.0,
     "clipo_weight_decay": 0.0, "frozen_steps": 0, "agreement_bonus": 0.0, "agreement_cap": 0.0,

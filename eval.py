@@ -42,7 +42,7 @@ from model import base_of, check_model, resolve_model, served_adapter
 from prompts import FORMATS, encode_prompt, problem_messages
 from rollout import make_rollout
 from runs import TRAIN_CONFIG, route_library_logs
-from scoring import answer_records, default_k, summarize_records
+from scoring import ScoringError, answer_records, default_k, summarize_records
 from verify import reward_scorer
 
 def format_table(rows):
@@ -118,6 +118,11 @@ def parse_args(argv):
     ap.add_argument("--reward", default=None, help="the reward rule, as train.py's: ours | official | "
                     "module:function"
                     + inherited("reward"))
+    ap.add_argument("--reward_timeout", type=float, default=60.0, help="seconds a custom --reward may take on one "
+                    "response (0 = no bound)")
+    ap.add_argument("--reward_errors", default="stop", choices=["stop", "zero"], help="a custom --reward that "
+                    "raises, times out or returns no number: stop (the answers generated so far are kept) | zero "
+                    "(scores 0, counted)")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--dtype", default="", help="the engine's weights: bfloat16 | float16 | float32 | auto; "
                     "default bfloat16, float32 on a CPU without bf16 instructions (emulated bf16: slower)")
@@ -186,6 +191,10 @@ def make_engine(args, benchmarks, template, chat_kwargs, rank):
 
 def main(argv=None):
     args = parse_args(argv)
+    if os.path.isdir(args.out):
+        print(f"error: --out={args.out} is a folder; give a file name, e.g. {os.path.join(args.out, 'eval.json')}",
+              file=sys.stderr)
+        return 2
     try:  # validate settings, model and every data file before spending minutes on an engine
         benchmarks, template, chat_kwargs = load_inputs(args)
     except (DataError, OSError, ValueError) as e:
@@ -204,9 +213,12 @@ def main(argv=None):
         if dist.is_main():
             print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else "")
                   + f", up to {args.max_tokens} tokens" + (f", over {world} processes" if world > 1 else ""))
-        mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
-                              args.max_tokens, seed=args.seed, prompt_format=args.prompt_format,
-                              template=template, reward=args.reward)
+        try:
+            mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
+                                  args.max_tokens, seed=args.seed, prompt_format=args.prompt_format,
+                                  template=template, reward=args.reward)
+        except ScoringError as e:  # the reward failed: keep what was generated, say where
+            return keep_unscored(args, name, rank, e)
         records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
@@ -219,9 +231,23 @@ def main(argv=None):
         engine.close()
     if dist.is_main():
         print(format_table(table))
+        if any("reward_max" in row for row in table.values()):
+            print("note: rewards outside [0, 1] (reward_min, reward_max): greedy, avg@k and maj@k are mean rewards, "
+                  "not accuracies; pass@k counts a reward > 0 as solved")
         write_results(args, results, all_records)
     dist.teardown()
     return 0
+
+
+def keep_unscored(args, name, rank, error):
+    """Scoring failed on `name`: its generated answers go, unscored, to <out>.unscored[.rank-R].jsonl."""
+    path = os.path.splitext(args.out)[0] + ".unscored" + (f".rank-{rank}" if dist.active() else "") + ".jsonl"
+    with open(path, "w") as f:
+        for row in error.generated:
+            f.write(json.dumps({"benchmark": name, **row}) + "\n")
+    print(f"error: {error}; the {len(error.generated)} prompts' answers generated for {name} are in {path}, "
+          "unscored", file=sys.stderr)
+    return 1
 
 
 def write_results(args, results, all_records):

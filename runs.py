@@ -705,6 +705,7 @@ def step_metrics(state, groups, update, info, lr, cfg, terms=()):
         **{f"time_{k}": info[k] for k in ("generate", "score", "train", "push", "step")},
         "gen_tokens_per_s": sum(lengths) / max(info["generate"], 1e-9), "skipped_steps": state.skipped_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        **({"reward_failures": state.counts["reward_failures"]} if cfg.reward_errors == "zero" else {}),  # cumulative
         "prompt_ids": [g.problem.id for g in groups],
         "counts": dict(state.counts),  # cumulative token and call counts (compare.py's compute columns)
     }
@@ -807,6 +808,9 @@ def print_summary(run_dir, counts, generated, gepa_history, dev_records, dev_siz
           f"{(generated - counts['train_tokens']) / max(1, generated):.3f}")
     if gepa_history:
         print(f"P²O epochs: {json.dumps(gepa_history)}")
+    if counts["reward_failures"]:
+        print(f"WARNING: {counts['reward_failures']} calls of the custom --reward failed (raised, timed out or "
+              "returned no number) and scored 0 (--reward_errors=zero)")
     if len(dev_records) > 1:  # from dev.jsonl, so a resumed run reports its whole branch
         print(f"dev greedy accuracy: {dev_records[0]['greedy']:.3f} before (step {dev_records[0]['step']}) -> "
               f"{dev_records[-1]['greedy']:.3f} after (step {dev_records[-1]['step']}; {dev_size} problems)")

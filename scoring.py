@@ -81,7 +81,10 @@ def majority_reward(extracted, rewards):
 
 
 def summarize(greedy, sampled, k):
-    """Aggregate per-problem records into the numbers of one table row."""
+    """Aggregate per-problem records into the numbers of one table row. greedy, avg@k and maj@k are
+    mean rewards: accuracies when rewards are 0 or 1, as the built-in rules give. pass@j counts a
+    sample as solved when its reward is > 0, as mining and GEPA do. A custom reward outside [0, 1]
+    adds reward_min and reward_max to the row, so that the means are not read as accuracies."""
     n = len(greedy)
     row = {"problems": n, "greedy": sum(r["rewards"][0] for r in greedy) / n,
            "greedy_boxed": sum(r["extracted"][0] is not None for r in greedy) / n,
@@ -89,9 +92,12 @@ def summarize(greedy, sampled, k):
     if k:
         row[f"avg@{k}"] = sum(sum(r["rewards"]) / k for r in sampled) / n
         for j in pass_ks(k):
-            row[f"pass@{j}"] = sum(pass_at_k(k, int(sum(r["rewards"])), j) for r in sampled) / n
+            row[f"pass@{j}"] = sum(pass_at_k(k, sum(x > 0 for x in r["rewards"]), j) for r in sampled) / n
         row[f"maj@{k}"] = sum(majority_reward(r["extracted"], r["rewards"]) for r in sampled) / n
         row["sampled_mean_length"] = sum(sum(r["lengths"]) / k for r in sampled) / n
+    every = [x for r in greedy for x in r["rewards"]] + [x for r in sampled if r for x in r["rewards"]]
+    if any(not 0.0 <= x <= 1.0 for x in every):
+        row.update(reward_min=min(every), reward_max=max(every))
     return row
 
 
@@ -120,11 +126,23 @@ def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progre
                           max_tokens=max_tokens, progress=progress, seed=seed)
     samples, greedy = iter(out[:len(sampled)]), iter(out[len(sampled):])
     records = []
-    for (problems, _, k), ms in zip(sets, messages):
-        g = score_groups(problems, ms, [next(greedy) for _ in problems], reward)
-        s = score_groups(problems, ms, [next(samples) for _ in problems], reward) if k else [None] * len(problems)
-        records.append([{**a, "sampled": b} for a, b in zip(g, s)])
+    try:
+        for (problems, _, k), ms in zip(sets, messages):
+            g = score_groups(problems, ms, [next(greedy) for _ in problems], reward)
+            s = score_groups(problems, ms, [next(samples) for _ in problems], reward) if k else [None] * len(problems)
+            records.append([{**a, "sampled": b} for a, b in zip(g, s)])
+    except Exception as e:  # a reward that fails: what was generated is not lost with it
+        raise ScoringError(str(e), [{"prompt": m[-1]["content"], "responses": [s.text for s in group]}
+                                    for m, group in zip([m for m, _ in sampled] + flat, out)]) from e
     return records
+
+
+class ScoringError(RuntimeError):
+    """Scoring failed after generation; `generated` holds every prompt's responses, unscored."""
+
+    def __init__(self, message, generated):
+        super().__init__(message)
+        self.generated = generated
 
 
 def summarize_records(records, k):

@@ -71,7 +71,8 @@ from runs import (RunLog, StopSignal, budget_spent, checkpoint, console_line, de
                   forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note, method_metrics,
                   print_summary, restore_trainer, resume_point, route_library_logs, sampler_mismatch_bound,
                   shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
-from verify import reward_scorer
+from scoring import ScoringError
+from verify import RewardError, reward_scorer, take_failures
 
 
 # ----------------------------------------------------------------------------- state and records
@@ -295,6 +296,9 @@ def collect_groups(engine, stream, state, cfg, reward_fn, generate=generate_grou
         for g in local:
             g.rewards = [reward_fn(s.text, g.problem) for s in g.samples]
         new = dist.unsplit(dist.gather_objects(local))  # all groups, in prompt order, on every rank
+        failures = dist.all_sum(take_failures())  # --reward_errors=zero: custom-reward calls scored 0
+        if failures:
+            state.counts["reward_failures"] += failures
         info["score"] += time.perf_counter() - t
         if cfg.algo == "sft" and not all(r > 0 for g in new for r in g.rewards):
             raise SystemExit(f"--algo=sft: the gold solution of {next(g for g in new if 0 in g.rewards).problem.id} "
@@ -942,7 +946,10 @@ def main(argv):
     if dry_run:
         dry_run_report(resume_point(cfg, given)[0])
         return
-    out = train(cfg, given=given)
+    try:
+        out = train(cfg, given=given)
+    except (RewardError, ScoringError) as e:  # the user's reward is untrusted code: one line naming the problem
+        sys.exit(f"{e}; the run stopped (its last checkpoint stands; --reward_errors=zero scores such calls 0)")
     if out.get("interrupted"):  # saved, but not complete: a scheduler or `train && eval` must not see success
         sys.exit(128 + out["signal"])  # as a shell reports a signal's end (docs/TRAINING.md, "Exit status")
 

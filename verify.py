@@ -40,6 +40,7 @@ import numbers
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -60,7 +61,7 @@ class Verdict:
     extracted: str | None  # content of the final box, None when there is none
     reason: str  # exact_match | equivalent | not_equivalent | no_box | unclosed_box | empty_box |
     #              answer_too_long | too_deeply_nested | unparsable | timeout | worker_died |
-    #              (official rule only) not_one_box | numeric_close
+    #              (official rule only) not_one_box | numeric_close | (a custom reward) custom | failed
 
 
 def reward(response: str, answer: str) -> float:
@@ -406,29 +407,108 @@ def load_reward(spec):
     fn = load_callable(spec)
 
     def custom(response, problem):
+        where = f"--reward={spec}"
         try:
-            value = fn(response, problem)
-        except Exception as e:  # noqa: BLE001 -- named, with the problem, then raised on
-            raise RuntimeError(f"--reward={spec} raised {type(e).__name__} on problem "
-                               f"{getattr(problem, 'id', '?')}: {e}") from e
+            value = call_with_deadline(fn, (response, problem), POLICY["timeout"])
+        except RewardTimeout:
+            return failed(RewardError(f"{where} took more than {POLICY['timeout']:g} s on problem "
+                                      f"{getattr(problem, 'id', '?')} (--reward_timeout)"), response)
+        except Exception as e:  # noqa: BLE001 -- named, with the problem, then raised on or counted
+            return failed(RewardError(f"{where} raised {type(e).__name__} on problem {getattr(problem, 'id', '?')}: "
+                                      f"{e}"), response, e)
         if isinstance(value, np.bool_):  # numpy's bool is no numbers.Real; Python's bool is
             value = bool(value)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):  # bool, int, float, numpy scalars
-            raise ValueError(f"--reward={spec} returned {value!r} for problem {getattr(problem, 'id', '?')}; "
-                             "it must return a finite number")
+            return failed(RewardError(f"{where} returned {value!r} for problem {getattr(problem, 'id', '?')}; "
+                                      "it must return a finite number"), response)
         return Verdict(float(value), last_boxed(response)[0], "custom")
     return custom
 
 
+# What a custom reward's failures do (train.py's and eval.py's --reward_timeout, --reward_errors; set_policy):
+# stop raises the failure naming the problem; zero scores 0 (reason 'failed') and counts it in FAILURES.
+POLICY = {"timeout": 60.0, "on_error": "stop"}
+REWARD_ERRORS = ("stop", "zero")
+FAILURES = [0]  # custom-reward calls scored 0 by the 'zero' policy in this process (take_failures)
+
+
+class RewardError(RuntimeError):
+    """A custom reward that raised, ran out of time or returned no finite number."""
+
+
+class RewardTimeout(Exception):
+    """Raised in the main thread when a custom reward's call runs past --reward_timeout."""
+
+
+def set_policy(timeout, on_error):
+    if on_error not in REWARD_ERRORS:
+        raise ValueError(f"--reward_errors is one of {' | '.join(REWARD_ERRORS)}, got {on_error!r}")
+    POLICY.update(timeout=float(timeout), on_error=on_error)
+
+
+def take_failures():
+    """Custom-reward failures scored 0 since the last call (the 'zero' policy), then reset."""
+    n, FAILURES[0] = FAILURES[0], 0
+    return n
+
+
+def failed(error, response, cause=None):
+    if POLICY["on_error"] == "stop":
+        raise error from cause
+    FAILURES[0] += 1
+    return Verdict(0.0, last_boxed(response)[0], "failed")
+
+
+_DEADLINE = {"armed": False, "installed": False, "lock": threading.Lock()}
+
+
+def _on_deadline(signum, frame):
+    if _DEADLINE["armed"]:  # a late signal, after the call ended, is ignored
+        _DEADLINE["armed"] = False
+        raise RewardTimeout
+
+
+def call_with_deadline(fn, args, seconds):
+    """fn(*args), ended with RewardTimeout after `seconds` of wall time. A timer thread signals the
+    main thread with SIGUSR1 (not SIGALRM: a reward's own timeouts use that timer, math-verify's
+    among them), whose handler raises between two bytecodes, a sleep included; a call stuck inside
+    one C call is ended when it returns. The handler stays installed (a signal that arrives late
+    is ignored, never fatal). Off the main thread, or with seconds <= 0, there is no bound."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    if not _DEADLINE["installed"]:
+        signal.signal(signal.SIGUSR1, _on_deadline)
+        _DEADLINE["installed"] = True
+
+    def fire():
+        with _DEADLINE["lock"]:
+            if _DEADLINE["armed"]:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    _DEADLINE["armed"] = True
+    timer.start()
+    try:
+        return fn(*args)
+    finally:
+        with _DEADLINE["lock"]:
+            _DEADLINE["armed"] = False
+        timer.cancel()
+
+
 def reward_scorer(cfg, problems):
     """--reward (cfg.reward: config.Config's or eval.py's) as check_fn(response, problem) -> Verdict, tried once on the first problem's
-    gold answer (boxed) so that a function that raises or returns no number is one line at start-up."""
+    gold answer (boxed) so that a function that raises or returns no number is one line at start-up,
+    whatever --reward_errors says; later calls follow cfg's --reward_timeout and --reward_errors."""
     check_fn = load_reward(cfg.reward)
     if problems:
+        set_policy(getattr(cfg, "reward_timeout", POLICY["timeout"]), "stop")
         try:
             check_fn(f"The answer is \\boxed{{{problems[0].answer}}}.", problems[0])
         except (ValueError, RuntimeError) as e:
             raise SystemExit(f"{e} (tried at start-up on its gold answer)") from None
+    set_policy(getattr(cfg, "reward_timeout", POLICY["timeout"]), getattr(cfg, "reward_errors", "stop"))
     return check_fn
 
 

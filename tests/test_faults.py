@@ -143,3 +143,107 @@ def test_dry_run_json_survives_a_reward_that_prints_at_import(tmp_path):
     out = subprocess.run([sys.executable, "train.py", f"--reward={module}:score", "--dry_run"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and json.loads(out.stdout)["reward"] == f"{module}:score"
+
+
+# ----------------------------------------------------------------------------- a user's reward is untrusted code
+
+SLOW_AND_BROKEN = '''import math
+import time
+
+
+def sleepy(response, problem):
+    if "boxed" in response:
+        return 1.0
+    time.sleep(30)
+
+
+def nan_when_wrong(response, problem):
+    return 1.0 if "boxed" in response else math.nan
+
+
+def raises_later(response, problem):
+    if "boxed" not in response:
+        raise KeyError("judge")
+    return 1.0
+'''
+
+
+@pytest.fixture()
+def rewards_module(tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(SLOW_AND_BROKEN)
+    yield str(path)
+    import verify
+
+    verify.set_policy(60.0, "stop")  # the process-wide default again
+
+
+def test_a_reward_that_sleeps_is_bounded_and_the_policy_decides(rewards_module):
+    import time
+
+    import verify
+    from data import Problem
+
+    check_fn = verify.load_reward(f"{rewards_module}:sleepy")
+    verify.set_policy(0.3, "stop")
+    start = time.perf_counter()
+    with pytest.raises(verify.RewardError, match=r"sleepy took more than 0.3 s on problem q1 \(--reward_timeout\)"):
+        check_fn("no box", Problem("q1", "?", "1"))
+    assert time.perf_counter() - start < 5
+    verify.set_policy(0.3, "zero")
+    verdicts = [check_fn(text, Problem("q2", "?", "1")) for text in ("no box", "\\boxed{1}", "still none")]
+    assert [(v.reward, v.reason) for v in verdicts] == [(0.0, "failed"), (1.0, "custom"), (0.0, "failed")]
+    assert verify.take_failures() == 2 and verify.take_failures() == 0
+    time.sleep(0.5)  # a deadline signal that might arrive late is ignored, never fatal
+
+
+@pytest.mark.parametrize("fn", ["nan_when_wrong", "raises_later"])
+def test_a_reward_failing_mid_run_stops_in_one_line_or_scores_zero_and_is_counted(fn, rewards_module, tiny_model,
+                                                                                 tmp_path, capsys):
+    """The gold answer scores, so the start-up check passes; the policy's wrong answers fail later."""
+    from conftest import read_metrics, tiny_config
+
+    flags = [f"--model={tiny_model}", "--backend=hf", "--algo=grpo", "--dev_data=", "--max_steps=2", "--save_every=1",
+             f"--out_dir={tmp_path}", "--run_name=r", "--max_tokens=6", "--group_size=4", "--prompts_per_step=3",
+             f"--reward={rewards_module}:{fn}", "--autocast_bf16=False"]
+    with pytest.raises(SystemExit) as stopped:
+        train.main(flags)
+    assert isinstance(stopped.value.code, str) and f"{fn} " in stopped.value.code and " problem " in stopped.value.code
+    assert "\n" not in stopped.value.code and "last checkpoint stands" in stopped.value.code
+    out = train.train(tiny_config(tiny_model, tmp_path, algo="grpo", reward=f"{rewards_module}:{fn}",
+                                  reward_errors="zero", run_name="z"))
+    metrics = read_metrics(tmp_path / "z")
+    assert len(metrics) == 2 and metrics[-1]["reward_failures"] == out["counts"]["reward_failures"] > 0
+    assert metrics[0]["reward_failures"] <= metrics[1]["reward_failures"]  # cumulative, every step
+    assert "calls of the custom --reward failed" in capsys.readouterr().out  # and in the closing summary
+
+
+def test_eval_keeps_what_it_generated_when_the_reward_fails(rewards_module, tmp_path):
+    import json
+
+    import eval as evaluation
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "e.json"
+    code = evaluation.main([f"--data={data}", "--backend=hf", "--k=0", "--max_tokens=4", f"--out={out}",
+                            f"--reward={rewards_module}:raises_later"])
+    assert code == 1 and not out.exists()
+    kept = [json.loads(line) for line in (tmp_path / "e.unscored.jsonl").read_text().splitlines()]
+    assert [len(r["responses"]) for r in kept] == [1, 1, 1] and all(r["benchmark"] == str(data) for r in kept)
+    assert evaluation.main([f"--data={data}", f"--out={tmp_path}"]) == 2  # a folder: said before anything loads
+
+
+def test_rewards_outside_0_1_are_not_reported_as_accuracies():
+    import scoring
+
+    greedy = [{"rewards": [2.0], "extracted": ["2"], "truncated": [False]}, {"rewards": [0.0], "extracted": [None],
+                                                                             "truncated": [False]}]
+    sampled = [{"rewards": [2.0, 0.5], "extracted": ["2", "3"], "lengths": [1, 1]},
+               {"rewards": [0.0, 0.0], "extracted": [None, None], "lengths": [1, 1]}]
+    row = scoring.summarize(greedy, sampled, 2)
+    assert row["greedy"] == 1.0 and (row["reward_min"], row["reward_max"]) == (0.0, 2.0)  # a mean reward, flagged
+    assert row["pass@1"] == 0.5 and row["pass@2"] == 0.5  # solved = reward > 0: problem 1 always, problem 2 never
+    binary = scoring.summarize(greedy[:1] and [{**greedy[0], "rewards": [1.0]}], [{**sampled[0], "rewards": [1.0, 0.0]}], 2)
+    assert "reward_max" not in binary and binary["pass@1"] == 0.5
