@@ -230,10 +230,15 @@ def read_config_file(path):
     """A settings file -> {name: value}: a JSON object (.json) or a YAML mapping (.yaml/.yml;
     JSON is YAML too). Comments in YAML are the place for each value's source."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise SystemExit(f"--config: cannot read {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise SystemExit(f"--config: {path} line {line}: not UTF-8 text ({raw[e.start:e.start + 1]!r})") from None
     def unique(pairs, where=""):  # a key given twice is a mistake, not "the last one wins"
         keys = [k for k, _ in pairs]
         twice = sorted({str(k) for k in keys if keys.count(k) > 1})

@@ -35,6 +35,7 @@ import secrets
 import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -413,6 +414,29 @@ def resume_point(cfg, given=None):
 LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "dev.jsonl")
 
 
+def check_run_folder(cfg, resume_path):
+    """Before anything loads: --out_dir can be written, and a new run (no --resume, or
+    --resume=auto of a run with no checkpoint yet) does not write into a folder that holds a run
+    (checkpoints or logged steps): reusing a name is the user's choice, made with --resume."""
+    out_dir = cfg.out_dir
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise SystemExit(f"--out_dir={out_dir}: cannot write there ({e.strerror or e})") from None
+    run_dir = os.path.join(out_dir, cfg.run_name) if cfg.run_name else None
+    if resume_path or not run_dir or not os.path.isdir(run_dir):
+        return
+    steps = [checkpoint_step(n) for n in os.listdir(run_dir) if checkpoint_step(n) is not None]
+    logged = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and os.path.getsize(
+        os.path.join(run_dir, "metrics.jsonl")) > 0
+    if steps or logged:
+        what = f"checkpoints up to step {max(steps)}" if steps else "logged steps and no checkpoint"
+        raise SystemExit(f"--run_name={cfg.run_name}: {run_dir} holds a run ({what}); continue it with "
+                         f"--resume=auto --run_name={cfg.run_name}, or give this run another --run_name")
+
+
 def start_branch(run_dir, step, epoch, resumed_from):
     """Make run_dir a clean branch that continues at `step`: whatever an earlier attempt wrote
     after it (later checkpoints, log lines of later steps, GEPA archives of epochs not yet
@@ -557,7 +581,7 @@ class RunLog:
 
     def __init__(self, run_dir, step, cfg):
         self.run_dir, self.cfg = run_dir, cfg
-        self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=step + 1 if step else None)
+        self.writer = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=step + 1 if step else 0)
         self.writer.add_text("config", "```\n" + json.dumps(dataclasses.asdict(cfg), indent=1) + "\n```", step)
         self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.rollouts = open(os.path.join(run_dir, "rollouts.jsonl"), "a")

@@ -67,10 +67,10 @@ from forward import autocast, group_hidden_means, response_logprobs, row_logprob
 from model import check_models, pad_token_id, resolve_model
 from prompts import encode_prompt, gold_text, problem_messages
 from rollout import Sample, greedy_answers, load_models, make_reflector, remote_reflector
-from runs import (RunLog, StopSignal, budget_spent, checkpoint, console_line, dev_eval, export, fields_of,
-                  forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note, method_metrics,
-                  print_summary, restore_trainer, resume_point, route_library_logs, sampler_mismatch_bound,
-                  shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
+from runs import (RunLog, StopSignal, budget_spent, check_run_folder, checkpoint, console_line, dev_eval, export,
+                  fields_of, forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note,
+                  method_metrics, print_summary, restore_trainer, resume_point, route_library_logs,
+                  sampler_mismatch_bound, shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
 from scoring import ScoringError
 from verify import RewardError, reward_scorer, take_failures
 
@@ -865,17 +865,17 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     (anything with reflect(prompts) -> [(text, finished) | None]; default: --reflector's).
 
     Under torchrun the same loop runs on N processes: the policy is sharded (FSDP2), each rank
-    generates its share of a step's prompts with its own engine, every rank then holds all
-    groups (mining, DAPO refills and accounting agree everywhere), trains on its share with
-    global loss denominators and pushes the gathered weights into its engine. Rank 0 alone
-    runs GEPA, logs and writes files; the loop state it leaves is broadcast to the others."""
+    generates its share of a step's prompts with its own engine, every rank then holds all groups
+    (mining, DAPO refills and accounting agree everywhere), trains on its share with global loss
+    denominators and pushes the gathered weights into its engine. Rank 0 alone runs GEPA, logs
+    and writes files; the loop state it leaves is broadcast to the others."""
     cfg, resume_path, saved = resume_point(cfg, given)  # each check is one line, before anything heavy loads:
     check_config(cfg)  # the settings,
     check_models(cfg)  # the model and reflector (no download),
     data = load_data(cfg)  # every data row, and below the reward on the first gold answer
-    if reward_fn is None:  # --reward: one scorer for rollouts, GEPA and the dev set (eval.py reads the same flag)
-        check_fn = reward_scorer(cfg, data[0])
-        reward_fn = lambda text, problem: check_fn(text, problem).reward  # noqa: E731
+    check_run_folder(cfg, resume_path)  # --out_dir writable; a run's name reused only by --resume
+    check_fn = reward_scorer(cfg, data[0])  # --reward: one scorer for rollouts, GEPA, the dev set (and eval.py)
+    reward_fn = reward_fn or (lambda text, problem: check_fn(text, problem).reward)
     run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
     state, is_main, stop = run.state, run.is_main, StopSignal()
     if is_main:

@@ -87,11 +87,16 @@ def load_jsonl(name_or_path, skip_bad=False):
         hint = " (run `python data/prep.py` online to make it)" if "public" in path else ""
         raise DataError(f"{path}: no such data file{hint}")
     problems, seen, skipped = [], set(), 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error naming it, like any bad row
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"not UTF-8 text (byte {e.start + 1} of the line: {raw[e.start:e.start + 1]!r})") \
+                        from None
                 p = parse_row(line)
                 if p.id in seen:
                     raise ValueError(f"duplicate id {p.id!r}")

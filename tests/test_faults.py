@@ -69,21 +69,25 @@ def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_earlier_one_stand
 
 def test_a_push_of_non_finite_weights_is_refused_before_it_reaches_the_engine(tiny_model, vllm_engine, hf_model):
     hf = rollout.HFRollout(tiny_model)
-    before = {k: v.clone() for k, v in hf.model.state_dict().items()}
+
     with pytest.raises(rollout.WeightPushError, match="model.norm.weight holds NaN or inf"):
         hf.push_weights(poisoned(tiny_model).state_dict())
     assert all(torch.isfinite(v).all() for v in hf.model.state_dict().values())
+    # vLLM: the push stops at the bad tensor, which never goes in; the run then ends (WeightPushError),
+    # and a later full push (a resumed run's first) serves the model again exactly
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     bad = dict(original)
     bad["model.norm.weight"] = bad.pop("model.norm.weight") * float("inf")  # last: the rest goes in unchanged
+    prompts = ["What is 2 + 3?", "Name a colour."]
+    greedy = vllm_engine.generate(prompts, temperature=0, max_tokens=12, logprobs=True)
     try:
         with pytest.raises(rollout.WeightPushError, match="model.norm.weight holds NaN or inf"):
             vllm_engine.push_weights(bad)
-        (got, _), = vllm_engine.llm.collective_rpc(rollout._engine_checksums)
-        assert all(math.isfinite(squares) for _, _, squares in got.values())
     finally:
         vllm_engine.push_weights(original)
-    assert before.keys() == hf.model.state_dict().keys()
+    again = vllm_engine.generate(prompts, temperature=0, max_tokens=12, logprobs=True)
+    assert [g[0].response_ids for g in again] == [g[0].response_ids for g in greedy]
+    assert [g[0].logprobs for g in again] == [g[0].logprobs for g in greedy]
 
 
 # ----------------------------------------------------------------------------- exit status
@@ -247,3 +251,46 @@ def test_rewards_outside_0_1_are_not_reported_as_accuracies():
     assert row["pass@1"] == 0.5 and row["pass@2"] == 0.5  # solved = reward > 0: problem 1 always, problem 2 never
     binary = scoring.summarize(greedy[:1] and [{**greedy[0], "rewards": [1.0]}], [{**sampled[0], "rewards": [1.0, 0.0]}], 2)
     assert "reward_max" not in binary and binary["pass@1"] == 0.5
+
+
+# ----------------------------------------------------------------------------- files: encodings, folders, names
+
+
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    from data import DataError, load_jsonl
+
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"id": "a", "problem": "What is 1 + 1?", "answer": "2"}\n'
+                     b'{"id": "b", "problem": "caf\xe9?", "answer": "2"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8 text \(byte 28 of the line: b'\\xe9'\)"):
+        load_jsonl(str(data))
+    assert load_jsonl(str(data), skip_bad=True)[1] == 1  # --skip_bad skips it like any bad row
+    settings = tmp_path / "run.yaml"
+    settings.write_bytes(b"lr: 1e-6\n# caf\xe9\n")
+    with pytest.raises(SystemExit, match=r"--config: .*run.yaml line 2: not UTF-8 text"):
+        config.read_config_file(str(settings))
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line_before_anything_loads(tmp_path, tiny_model):
+    from conftest import tiny_config
+
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    for out_dir in (str(afile), str(afile / "runs"), "/proc/p2o-runs"):  # a file, under a file, read-only
+        with pytest.raises(SystemExit, match=f"--out_dir={out_dir}: cannot write there"):
+            train.train(tiny_config(tiny_model, tmp_path, out_dir=out_dir))
+
+
+def test_a_new_run_does_not_take_over_a_run_folder_and_resume_does(tmp_path, tiny_model):
+    """Reusing a run's name is the user's choice: without --resume, one line naming the run and how
+    to continue it; the old run's files stay where they are."""
+    from conftest import parity_reward, read_metrics, tiny_config
+
+    train.train(tiny_config(tiny_model, tmp_path, max_steps=1, save_every=1), reward_fn=parity_reward)
+    before = sorted(os.listdir(tmp_path / "t"))
+    with pytest.raises(SystemExit, match=r"--run_name=t: .* holds a run \(checkpoints up to step 1\); continue it "
+                                         r"with --resume=auto --run_name=t"):
+        train.train(tiny_config(tiny_model, tmp_path, max_steps=2), reward_fn=parity_reward)
+    assert sorted(os.listdir(tmp_path / "t")) == before and "abandoned" not in before
+    train.train(tiny_config(tiny_model, tmp_path, max_steps=2, resume="auto"), reward_fn=parity_reward)
+    assert [m["step"] for m in read_metrics(tmp_path / "t")] == [1, 2]
