@@ -415,9 +415,9 @@ LOG_FILES = ("metrics.jsonl", "rollouts.jsonl", "dev.jsonl")
 
 
 def check_run_folder(cfg, resume_path):
-    """Before anything loads: --out_dir can be written, and a new run (no --resume, or
-    --resume=auto of a run with no checkpoint yet) does not write into a folder that holds a run
-    (checkpoints or logged steps): reusing a name is the user's choice, made with --resume."""
+    """Before anything loads: --out_dir can be written, and a new run (no --resume) does not write
+    into a folder that holds a run (checkpoints or logged steps): reusing a name is the user's
+    choice, made with --resume (=auto of a run with no checkpoint yet starts it over)."""
     out_dir = cfg.out_dir
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -426,7 +426,7 @@ def check_run_folder(cfg, resume_path):
     except OSError as e:
         raise SystemExit(f"--out_dir={out_dir}: cannot write there ({e.strerror or e})") from None
     run_dir = os.path.join(out_dir, cfg.run_name) if cfg.run_name else None
-    if resume_path or not run_dir or not os.path.isdir(run_dir):
+    if cfg.resume or resume_path or not run_dir or not os.path.isdir(run_dir):
         return
     steps = [checkpoint_step(n) for n in os.listdir(run_dir) if checkpoint_step(n) is not None]
     logged = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and os.path.getsize(

@@ -853,7 +853,7 @@ def test_resume_reads_the_saved_settings_the_same_way_for_the_cli_and_train(tiny
     cfg, _, _ = train.resume_point(cli, given={"resume", "lr"})  # the CLI: a flag at its default value still wins
     assert (cfg.lr, cfg.max_steps, cfg.backend) == (2e-5, 1, "hf")
     seen = {}
-    monkeypatch.setattr(train, "train", lambda cfg, given=None: seen.update(given=given))
+    monkeypatch.setattr(train, "train", lambda cfg, given=None: seen.update(given=given) or {"step": 1})
     train.main([f"--resume={ckpt}", "--lr=2e-5"])
     assert seen["given"] == {"resume", "lr"}
     assert train.resume_point(Config()) == (Config(), None, None)
