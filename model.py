@@ -158,6 +158,7 @@ def check_model(name_or_path, flag="--model"):
         return
     if os.path.exists(name_or_path):
         require_model_folder(name_or_path, f"{flag}={name_or_path}")
+        check_weight_files(name_or_path)
         return
     if not HUB_ID.fullmatch(name_or_path) or name_or_path.startswith(("runs/", "out/")):
         raise SystemExit(f"{flag}={name_or_path}: no such folder")
@@ -177,6 +178,28 @@ def check_model(name_or_path, flag="--model"):
         raise SystemExit(f"{flag}={name_or_path}: not a local folder, not in the HF cache, and the hub cannot be "
                          f"reached ({type(e).__name__}: {e}); download it where there is network "
                          f"(huggingface-cli download {name_or_path}) or give a local folder") from None
+
+
+def check_weight_files(folder):
+    """Every .safetensors file of a local folder is whole: its header reads and the file is as long
+    as the header says (a copy or write cut short fails here, naming the file, not deep inside a
+    loader). Reads the headers only."""
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                if not 0 < length <= size - 8:
+                    raise ValueError(f"a header of {length} bytes")
+                header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise SystemExit(f"{path}: not a readable safetensors file ({e})") from None
+        if size != 8 + length + end:
+            raise SystemExit(f"{path}: truncated or corrupt ({size:,} bytes; its header says {8 + length + end:,})")
 
 
 def check_models(cfg):

@@ -699,6 +699,34 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     return need
 
 
+def check_fit(cfg, problems, chat_kwargs):
+    """Before the run folder and any weights, from the model's config and tokenizer alone: the
+    LoRA targets are linear layers of its decoder (lora.target_names on a meta-device copy), and
+    the longest prompt the run can send plus its answer (context_length) fits its positions; a
+    problem too long for that is named."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: seconds to import
+
+    model_path = resolve_model(cfg.model)
+    config = AutoConfig.from_pretrained(model_path)
+    if cfg.lora_rank:
+        with torch.device("meta"):
+            lora.target_names(AutoModelForCausalLM.from_config(config), cfg.lora_targets)
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions or not problems:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    lengths = {p.id: len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
+               for p in problems}
+    longest = max(problems, key=lambda p: lengths[p.id])
+    # vLLM is started with the whole context (and refuses one past the positions); HF generates what it is given
+    need = context_length(cfg, tokenizer, problems, chat_kwargs) if cfg.backend == "vllm" \
+        else lengths[longest.id] + cfg.max_tokens
+    if need > positions:
+        raise SystemExit(f"the run needs a context of {need:,} tokens, over the model's {positions:,} positions: "
+                         f"--max_model_len, or the longest prompt (problem {longest.id}, {lengths[longest.id]:,} "
+                         f"tokens) + templates and reflections + --max_tokens={cfg.max_tokens}")
+
+
 def engine_lora(cfg):
     """The rank a vLLM engine serves LoRA adapters at for this run (0: none). A 16-bit engine needs
     vLLM's LoRA: a merge into bf16 weights rounds most of a small update away (docs/GPU.md "LoRA in

@@ -46,7 +46,7 @@ from tqdm import tqdm
 import dist
 import lora
 from config import learning_rate
-from model import atomic_directory
+from model import atomic_directory, check_weight_files
 from plot import plot_run
 from scoring import answer_records, summarize_records
 
@@ -342,8 +342,10 @@ def pointer_target(run_dir, pointer):
 
 
 def load_trainer_state(path):
-    """trainer.pt of a checkpoint folder, or a clear error naming the file."""
+    """trainer.pt of a checkpoint folder, or a clear error naming the file (its weight files too)."""
     file = os.path.join(path, "trainer.pt")
+    if os.path.isdir(path):
+        check_weight_files(path)
     try:
         state = torch.load(file, map_location="cpu", weights_only=False)
     except FileNotFoundError:

@@ -66,7 +66,7 @@ from data import PromptStream, load_data
 from forward import autocast, group_hidden_means, response_logprobs, row_logprobs, two_context_logprobs
 from model import check_models, pad_token_id, resolve_model
 from prompts import encode_prompt, gold_text, problem_messages
-from rollout import Sample, greedy_answers, load_models, make_reflector, remote_reflector
+from rollout import Sample, check_fit, greedy_answers, load_models, make_reflector, remote_reflector
 from runs import (RunLog, StopSignal, budget_spent, check_run_folder, checkpoint, console_line, dev_eval, export,
                   fields_of, forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note,
                   method_metrics, print_summary, restore_trainer, resume_point, route_library_logs,
@@ -859,10 +859,9 @@ def epoch_over(run):
 def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     """Run P²O (or GRPO with algo=grpo) with `cfg`; with cfg.resume, from a checkpoint whose
     saved settings apply except those in `given` (default: the fields of cfg that differ from
-    Config's; see resume_point). For tests and forks: `engine` (an existing rollout engine
-    holding cfg.model's weights), `reward_fn(text, problem) -> float` for the rollouts and GEPA
-    (default: --reward's scorer; the dev set is always scored by --reward), `reflector`
-    (anything with reflect(prompts) -> [(text, finished) | None]; default: --reflector's).
+    Config's; see resume_point). For tests and forks: `engine` (a rollout engine holding cfg.model's
+    weights), `reward_fn(text, problem) -> float` for the rollouts and GEPA (default: --reward's;
+    the dev set is scored by --reward), `reflector` (reflect(prompts) -> [(text, finished) | None]).
 
     Under torchrun the same loop runs on N processes: the policy is sharded (FSDP2), each rank
     generates its share of a step's prompts with its own engine, every rank then holds all groups
@@ -874,6 +873,7 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     check_models(cfg)  # the model and reflector (no download),
     data = load_data(cfg)  # every data row, and below the reward on the first gold answer
     check_run_folder(cfg, resume_path)  # --out_dir writable; a run's name reused only by --resume
+    check_fit(cfg, data[0] + data[1], chat_template_kwargs(cfg))  # LoRA targets, the context: config and tokenizer
     check_fn = reward_scorer(cfg, data[0])  # --reward: one scorer for rollouts, GEPA, the dev set (and eval.py)
     reward_fn = reward_fn or (lambda text, problem: check_fn(text, problem).reward)
     run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)

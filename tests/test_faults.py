@@ -294,3 +294,45 @@ def test_a_new_run_does_not_take_over_a_run_folder_and_resume_does(tmp_path, tin
     assert sorted(os.listdir(tmp_path / "t")) == before and "abandoned" not in before
     train.train(tiny_config(tiny_model, tmp_path, max_steps=2, resume="auto"), reward_fn=parity_reward)
     assert [m["step"] for m in read_metrics(tmp_path / "t")] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- late failures, made early
+
+
+def test_a_truncated_weight_file_is_named_at_start_up_for_training_resume_and_eval(tiny_model, tmp_path):
+    import shutil
+
+    import eval as evaluation
+    from conftest import parity_reward, tiny_config
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    weights = copy / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) - 100)
+    with pytest.raises(SystemExit, match=r"model.safetensors: truncated or corrupt \(.* bytes; its header says"):
+        train.train(tiny_config(tiny_model, tmp_path, model=str(copy)))
+    with pytest.raises(SystemExit, match=r"model.safetensors: truncated or corrupt"):  # before any engine starts
+        evaluation.main([f"--model={copy}", "--backend=hf", f"--out={tmp_path / 'e.json'}"])
+    train.train(tiny_config(tiny_model, tmp_path, max_steps=1, save_every=1), reward_fn=parity_reward)
+    ckpt = tmp_path / "t" / "ckpt-000001" / "model.safetensors"
+    with open(ckpt, "r+b") as f:
+        f.truncate(50)
+    with pytest.raises(SystemExit, match="ckpt-000001/model.safetensors: "):
+        train.train(tiny_config(tiny_model, tmp_path, max_steps=2, resume="auto"), reward_fn=parity_reward)
+
+
+def test_lora_targets_and_a_problem_too_long_for_the_model_are_named_before_the_run_folder(tiny_model, tmp_path):
+    import json
+
+    from conftest import tiny_config
+
+    with pytest.raises(SystemExit, match=r"--lora_targets=nonexistent: nonexistent is not a linear layer"):
+        train.train(tiny_config(tiny_model, tmp_path, lora_rank=4, lora_targets="nonexistent"))
+    data = tmp_path / "d.jsonl"  # the tiny model has 512 positions; one problem is far longer
+    rows = [{"id": "short", "problem": "What is 1 + 1?", "answer": "2"},
+            {"id": "huge", "problem": "word " * 5000, "answer": "1"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match=r"over the model's 512 positions: .*problem huge, [0-9,]+ tokens"):
+        train.train(tiny_config(tiny_model, tmp_path, train_data=str(data), run_name="long"))
+    assert not (tmp_path / "long").exists()  # nothing was left behind
