@@ -39,6 +39,7 @@ of docs/METHOD.md §9, all set by `--config=configs/p2o_official.yaml`.
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -950,6 +951,10 @@ def main(argv):
         out = train(cfg, given=given)
     except (RewardError, ScoringError) as e:  # the user's reward is untrusted code: one line naming the problem
         sys.exit(f"{e}; the run stopped (its last checkpoint stands; --reward_errors=zero scores such calls 0)")
+    except OSError as e:  # a full disk, a quota, a folder made read-only mid-run: every file is written atomically
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        sys.exit(f"cannot write {e.filename or 'a run file'}: {e.strerror}; the run stopped, its last checkpoint stands")
     if out.get("interrupted"):  # saved, but not complete: a scheduler or `train && eval` must not see success
         sys.exit(128 + out["signal"])  # as a shell reports a signal's end (docs/TRAINING.md, "Exit status")
 

@@ -336,3 +336,49 @@ def test_lora_targets_and_a_problem_too_long_for_the_model_are_named_before_the_
     with pytest.raises(SystemExit, match=r"over the model's 512 positions: .*problem huge, [0-9,]+ tokens"):
         train.train(tiny_config(tiny_model, tmp_path, train_data=str(data), run_name="long"))
     assert not (tmp_path / "long").exists()  # nothing was left behind
+
+
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_stands(tiny_model, tmp_path, monkeypatch):
+    import errno
+
+    flags = [f"--model={tiny_model}", "--backend=hf", "--algo=grpo", "--dev_data=", "--max_steps=2", "--save_every=1",
+             f"--out_dir={tmp_path}", "--run_name=full", "--max_tokens=6", "--group_size=4", "--prompts_per_step=3",
+             "--autocast_bf16=False", "--reward=examples/short_answer.py:exact_match"]
+    monkeypatch.chdir(ROOT)
+    saves, real_save = [], torch.save
+
+    def filling_disk(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) > 1:  # the first checkpoint is written; the disk is full by the second
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling_disk)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(flags)
+    assert "No space left on device; the run stopped, its last checkpoint stands" in stopped.value.code
+    assert os.readlink(tmp_path / "full" / "latest") == "ckpt-000001"
+    assert not any(n.startswith(".partial") for n in os.listdir(tmp_path / "full"))  # nothing half-written
+
+
+def test_sigterm_on_the_shipped_model_saves_the_step_and_exits_143(tmp_path):
+    """End to end, as a preempted job: `python train.py` on the shipped model gets SIGTERM during a
+    step, finishes it, saves it and exits 128 + 15; --resume=auto continues from that step."""
+    import subprocess
+    import sys
+
+    flags = ["--backend=hf", "--algo=grpo", "--prompts_per_step=2", "--group_size=2", "--max_tokens=12",
+             "--dev_data=", "--save_every=0", f"--out_dir={tmp_path}", "--run_name=s"]
+    proc = subprocess.Popen([sys.executable, "train.py", "--max_steps=40", *flags], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    for line in proc.stdout:
+        if "step 1/40 " in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 128 + signal.SIGTERM and "stopped by signal 15" in rest
+    step = int(os.readlink(tmp_path / "s" / "latest").split("-")[1])
+    assert 1 <= step < 40
+    done = subprocess.run([sys.executable, "train.py", f"--max_steps={step + 1}", "--resume=auto", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "resuming from " in done.stdout and f"step {step + 1}/{step + 1} " in done.stdout
