@@ -196,7 +196,7 @@ def vllm_server(model_path):
 
 
 def gepa_cfg(url, **over):
-    settings = dict(reflector=url, reflector_timeout=30, reflector_retries=1, gepa_budget=40, gepa_parents=2,
+    settings = dict(reflector=url, reflector_timeout=120, reflector_retries=2, gepa_budget=40, gepa_parents=2,
                     gepa_minibatch=2, reflect_max_tokens=60)
     return train.Config(**{**settings, **over})
 
