@@ -214,11 +214,13 @@ def main(argv=None):
             print(f"{name}: {len(problems)} problems, greedy" + (f" + {k} samples at T={args.temperature}" if k else "")
                   + f", up to {args.max_tokens} tokens" + (f", over {world} processes" if world > 1 else ""))
         try:
-            mine = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
-                                  args.max_tokens, seed=args.seed, prompt_format=args.prompt_format,
-                                  template=template, reward=args.reward)
+            mine, failure = answer_records(engine, dist.split(problems, rank, world), k, args.temperature, args.top_p,
+                                           args.max_tokens, seed=args.seed, prompt_format=args.prompt_format,
+                                           template=template, reward=args.reward), None
         except ScoringError as e:  # the reward failed: keep what was generated, say where
-            return keep_unscored(args, name, rank, e)
+            mine, failure = e.generated, e
+        if dist.all_max(int(failure is not None)):  # every rank takes this branch: none is left waiting in a gather
+            return stop_unscored(args, name, rank, failure, mine, results, all_records, engine)
         records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
@@ -239,22 +241,33 @@ def main(argv=None):
     return 0
 
 
-def keep_unscored(args, name, rank, error):
-    """Scoring failed on `name`: its generated answers go, unscored, to <out>.unscored[.rank-R].jsonl."""
+def stop_unscored(args, name, rank, failure, mine, results, all_records, engine):
+    """Scoring failed on `name` (on this rank: `failure`, else on another rank): this rank's answers to it go to
+    <out>.unscored[.rank-R].jsonl (unscored where its reward failed, scored otherwise); the benchmarks finished
+    before it are written to --out as usual, with "stopped_at": name. Exit status 1."""
     path = os.path.splitext(args.out)[0] + ".unscored" + (f".rank-{rank}" if dist.active() else "") + ".jsonl"
     with open(path, "w") as f:
-        for row in error.generated:
+        for row in mine:
             f.write(json.dumps({"benchmark": name, **row}) + "\n")
-    print(f"error: {error}; the {len(error.generated)} prompts' answers generated for {name} are in {path}, "
-          "unscored", file=sys.stderr)
+    main_rank = dist.is_main()
+    if main_rank and results:
+        write_results(args, results, all_records, stopped_at=name)
+    if dist.active() and hasattr(engine, "close"):
+        engine.close()
+    dist.teardown()
+    what = f"error: {failure}" if failure else "error: another rank's --reward failed"
+    print(f"{what}; {len(mine)} prompts' answers generated for {name} are in {path}" + (", unscored" if failure else "")
+          + (f"; the finished benchmarks are in {args.out}" if results and main_rank else ""), file=sys.stderr)
     return 1
 
 
-def write_results(args, results, all_records):
-    """--out (the numbers and the settings used) and, beside it, the per-sample JSONL."""
+def write_results(args, results, all_records, stopped_at=None):
+    """--out (the numbers and the settings used) and, beside it, the per-sample JSONL. `stopped_at`: the benchmark
+    whose scoring failed (stop_unscored), recorded so that a partial file is never read as a whole one."""
     out = args.out
     with open(out, "w") as f:
-        json.dump({"model": args.model, "config": vars(args), "results": results}, f, indent=2)
+        json.dump({"model": args.model, "config": vars(args), "results": results,
+                   **({"stopped_at": stopped_at} if stopped_at else {})}, f, indent=2)
     samples_path = os.path.splitext(out)[0] + ".samples.jsonl"
     with open(samples_path, "w") as f:
         for name, records in all_records.items():

@@ -38,6 +38,7 @@ of docs/METHOD.md §9, all set by `--config=configs/p2o_official.yaml`.
 """
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import functools
@@ -857,6 +858,26 @@ def epoch_over(run):
     return run.stream.epoch_of(run.state.consumed) > run.state.epoch
 
 
+def closing_dev_eval(run):
+    """The dev records of the run (rank 0; [] elsewhere), the last step's evaluated if it was not yet."""
+    records = run.log.dev_records() if run.is_main else []
+    if run.dev_set and dist.broadcast_object(not (records and records[-1]["step"] == run.state.step)):
+        dev_eval(run)
+        records = run.log.dev_records() if run.is_main else []
+    return records
+
+
+def save_done(run, done):
+    """A user's reward stopped the run (--reward_errors=stop): the last completed step's checkpoint -> its path.
+    Rewards are called before a step's update (rollouts, GEPA, the dev set), so the policy is still that of `done`
+    whenever the step count has not moved; the step in flight is dropped. Under torchrun the failing rank alone is
+    here (a checkpoint is collective): None, and the last saved checkpoint stands."""
+    if dist.active() or run.state.step != done.step or done.step == 0:
+        return None
+    run.state = done
+    return checkpoint(run)
+
+
 def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     """Run P²O (or GRPO with algo=grpo) with `cfg`; with cfg.resume, from a checkpoint whose
     saved settings apply except those in `given` (default: the fields of cfg that differ from
@@ -887,13 +908,14 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     bar = tqdm(total=cfg.max_gen_tokens if by_tokens else run.total_steps, unit="tok" if by_tokens else "step",
                initial=generated_tokens(state.counts) if by_tokens else state.step, desc=cfg.algo,
                dynamic_ncols=True, disable=not is_main)
-    records = []
+    records, done = [], copy.deepcopy(state)  # done: the loop state of the last completed step
     try:
         while state.step < run.total_steps and not budget_spent(state, cfg) \
                 and not dist.all_max(int(stop.signal is not None)):
             if epoch_over(run):
                 end_epoch(run)
             m, info = train_step(run)
+            done = copy.deepcopy(state)
             bar.update(generated_tokens(state.counts) - bar.n if by_tokens else 1)
             if is_main:
                 tqdm.write(console_line(m, run.total_steps, run.terms))
@@ -916,11 +938,10 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
                 print(f"stopped by signal {stop.signal}; checkpoint {final_path}")
             return {"step": state.step, "checkpoint": final_path, "interrupted": True,
                     "signal": stop.signal or signal.SIGTERM}  # a rank another rank's signal stopped
-        records = run.log.dev_records() if is_main else []
-        if run.dev_set and dist.broadcast_object(not (records and records[-1]["step"] == state.step)):
-            dev_eval(run)
-            records = run.log.dev_records() if is_main else []
+        records = closing_dev_eval(run)
     except BaseException as e:
+        if isinstance(e, (RewardError, ScoringError)):  # a user's reward stopped the run (--reward_errors=stop)
+            e.checkpoint = save_done(run, done)
         dist.share_failure(e)  # the other ranks' errors name this one, or this rank's names an earlier one's
         raise
     finally:
@@ -950,7 +971,9 @@ def main(argv):
     try:
         out = train(cfg, given=given)
     except (RewardError, ScoringError) as e:  # the user's reward is untrusted code: one line naming the problem
-        sys.exit(f"{e}; the run stopped (its last checkpoint stands; --reward_errors=zero scores such calls 0)")
+        saved = f"the last completed step saved in {e.checkpoint}" if getattr(e, "checkpoint", None) \
+            else "its last checkpoint stands"
+        sys.exit(f"{e}; the run stopped ({saved}; --reward_errors=zero scores such calls 0)")
     except OSError as e:  # a full disk, a quota, a folder made read-only mid-run: every file is written atomically
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise

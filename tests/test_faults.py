@@ -169,6 +169,22 @@ def raises_later(response, problem):
     if "boxed" not in response:
         raise KeyError("judge")
     return 1.0
+
+
+CALLS = []
+
+
+def judge_goes_down(response, problem):  # 1 start-up call + 12 a step: the 21st call is in step 2
+    CALLS.append(problem.id)
+    if len(CALLS) > 20:
+        raise ConnectionError("judge down")
+    return 1.0 if "boxed" in response else 0.0
+
+
+def raises_on_p1(response, problem):
+    if problem.id == "p1":
+        raise KeyError("judge")
+    return 1.0 if "boxed" in response else 0.0
 '''
 
 
@@ -222,6 +238,28 @@ def test_a_reward_failing_mid_run_stops_in_one_line_or_scores_zero_and_is_counte
     assert "calls of the custom --reward failed" in capsys.readouterr().out  # and in the closing summary
 
 
+def test_a_reward_stopping_the_run_saves_the_last_completed_step_and_resume_goes_on(rewards_module, tiny_model,
+                                                                                     tmp_path):
+    """No periodic checkpoint: the judge fails in step 2, so step 1 is saved (not the step in flight, whose
+    rollouts were never all scored) and the error says where; --resume=auto continues from step 2."""
+    from conftest import read_metrics
+
+    flags = [f"--model={tiny_model}", "--backend=hf", "--algo=grpo", "--dev_data=", "--max_steps=3", "--save_every=0",
+             f"--out_dir={tmp_path}", "--run_name=r", "--max_tokens=6", "--group_size=4", "--prompts_per_step=3",
+             "--autocast_bf16=False"]
+    with pytest.raises(SystemExit) as stopped:
+        train.main([*flags, f"--reward={rewards_module}:judge_goes_down"])
+    run = tmp_path / "r"
+    assert "judge_goes_down" in stopped.value.code and "judge down" in stopped.value.code
+    assert f"the last completed step saved in {run / 'ckpt-000001'}" in stopped.value.code
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000001"]
+    assert torch.load(run / "ckpt-000001" / "trainer.pt", weights_only=False)["loop"]["step"] == 1
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    cfg = config.resolve_settings(train.Config(), [*flags, "--resume=auto", "--reward=ours"])[0]  # the judge is back
+    out = train.train(cfg, given={"resume", "reward"})
+    assert out["step"] == 3 and [m["step"] for m in read_metrics(run)] == [1, 2, 3]
+
+
 def test_eval_keeps_what_it_generated_when_the_reward_fails(rewards_module, tmp_path):
     import json
 
@@ -237,6 +275,33 @@ def test_eval_keeps_what_it_generated_when_the_reward_fails(rewards_module, tmp_
     kept = [json.loads(line) for line in (tmp_path / "e.unscored.jsonl").read_text().splitlines()]
     assert [len(r["responses"]) for r in kept] == [1, 1, 1] and all(r["benchmark"] == str(data) for r in kept)
     assert evaluation.main([f"--data={data}", f"--out={tmp_path}"]) == 2  # a folder: said before anything loads
+
+
+def test_eval_stops_every_rank_when_one_ranks_reward_fails_and_keeps_what_each_generated(rewards_module, tiny_model,
+                                                                                        tmp_path):
+    """torchrun, 2 ranks: p1 is rank 1's and its reward raises. No rank waits in the gather: both exit, rank 1's
+    answers kept unscored, rank 0's scored; the benchmark finished before it is written with its stopping point."""
+    import json
+    import subprocess
+    import sys
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text(json.dumps({"id": "p9", "problem": "What is 1 + 1?", "answer": "2"}) + "\n")
+    second.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                              for i in range(3)))
+    out = tmp_path / "e.json"
+    args = [f"--model={tiny_model}", "--backend=hf", "--dtype=float32", f"--data={first},{second}", "--k=0",
+            "--max_tokens=4", f"--out={out}", f"--reward={rewards_module}:raises_on_p1"]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+                          "eval.py", *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert two.returncode != 0 and "raises_on_p1" in two.stderr and "KeyError" in two.stderr
+    kept = {r: [json.loads(x) for x in (tmp_path / f"e.unscored.rank-{r}.jsonl").read_text().splitlines()]
+            for r in (0, 1)}
+    assert [x["id"] for x in kept[0]] == ["p0", "p2"] and all("rewards" in x for x in kept[0])  # scored
+    assert len(kept[1]) == 1 and "rewards" not in kept[1][0] and kept[1][0]["benchmark"] == str(second)
+    written = json.loads(out.read_text())
+    assert written["stopped_at"] == str(second) and list(written["results"]) == [str(first)]
 
 
 def test_rewards_outside_0_1_are_not_reported_as_accuracies():
