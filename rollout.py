@@ -676,7 +676,7 @@ def make_rollout(backend, model_path, **kwargs):
     raise ValueError(f"unknown rollout backend {backend!r} (vllm | hf)")
 
 
-def context_length(cfg, tokenizer, problems, chat_kwargs):
+def context_length(cfg, tokenizer, problems, chat_kwargs, longest_prompt=None):
     """vLLM's max_model_len: --max_model_len, or (0) the longest prompt the run can send plus
     its answer. Training and GEPA prompts: the longest data prompt + the longest template
     (gepa.max_template_length, counted as one token a character, plus the blank line) +
@@ -684,11 +684,13 @@ def context_length(cfg, tokenizer, problems, chat_kwargs):
     longest problems and answers of the data (gepa.longest_reflection_prompt) under the
     reflector's chat template arguments (reflector_chat_kwargs, else chat_kwargs), plus the parts
     cut to a length in characters, one token each (gepa.reflection_cut_chars: the parent template,
-    the answers and extracted answers), + reflect_max_tokens."""
+    the answers and extracted answers), + reflect_max_tokens. `longest_prompt`: the data prompt's
+    length when the caller measured it already (check_fit)."""
     if cfg.max_model_len:
         return cfg.max_model_len
-    longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
-                         for p in problems)
+    if longest_prompt is None:
+        longest_prompt = max(len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
+                             for p in problems)
     need = longest_prompt + gepa.max_template_length(cfg) + 2 + cfg.max_tokens
     if cfg.algo == "p2o":
         messages = gepa.longest_reflection_prompt(cfg, problems)  # with its framing (ours: the prefill)
@@ -703,7 +705,8 @@ def check_fit(cfg, problems, chat_kwargs):
     """Before the run folder and any weights, from the model's config and tokenizer alone: the
     LoRA targets are linear layers of its decoder (lora.target_names on a meta-device copy), and
     the longest prompt the run can send plus its answer (context_length) fits its positions; a
-    problem too long for that is named."""
+    problem too long for that is named. -> vLLM's context (context_length) for load_models, so that the
+    problems are tokenised once; None with the HF backend or when the model's positions are unknown."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: seconds to import
 
     model_path = resolve_model(cfg.model)
@@ -713,18 +716,20 @@ def check_fit(cfg, problems, chat_kwargs):
             lora.target_names(AutoModelForCausalLM.from_config(config), cfg.lora_targets)
     positions = getattr(config, "max_position_embeddings", None)
     if not positions or not problems:
-        return
+        return None
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     lengths = {p.id: len(encode_prompt(tokenizer, problem_messages(p, fmt=cfg.prompt_format), chat_kwargs))
                for p in problems}
     longest = max(problems, key=lambda p: lengths[p.id])
     # vLLM is started with the whole context (and refuses one past the positions); HF generates what it is given
-    need = context_length(cfg, tokenizer, problems, chat_kwargs) if cfg.backend == "vllm" \
-        else lengths[longest.id] + cfg.max_tokens
+    context = context_length(cfg, tokenizer, problems, chat_kwargs, lengths[longest.id]) if cfg.backend == "vllm" \
+        else None
+    need = context or lengths[longest.id] + cfg.max_tokens
     if need > positions:
         raise SystemExit(f"the run needs a context of {need:,} tokens, over the model's {positions:,} positions: "
                          f"--max_model_len, or the longest prompt (problem {longest.id}, {lengths[longest.id]:,} "
                          f"tokens) + templates and reflections + --max_tokens={cfg.max_tokens}")
+    return context
 
 
 def engine_lora(cfg):
@@ -735,9 +740,9 @@ def engine_lora(cfg):
     return cfg.lora_rank if cfg.engine_dtype != "float32" else 0
 
 
-def start_engine(cfg, model_path, tokenizer, problems, chat_kwargs, device, policy=None):
+def start_engine(cfg, model_path, tokenizer, problems, chat_kwargs, device, policy=None, context=None):
     """The rollout engine train.py's settings name (`cfg`), holding `model_path`'s weights: vLLM,
-    its context sized for `problems` (context_length), or the HF backend, which in one
+    its context sized for `problems` (context_length, unless given as `context`), or the HF backend, which in one
     process without LoRA generates with `policy` itself. Under torchrun each rank starts its own."""
     if cfg.backend == "hf":
         shared = None if dist.active() or cfg.lora_rank else policy
@@ -746,18 +751,18 @@ def start_engine(cfg, model_path, tokenizer, problems, chat_kwargs, device, poli
         engine.model.to(device)
         return engine
     return make_rollout(cfg.backend, model_path, dtype=cfg.engine_dtype, seed=cfg.seed,
-                        max_model_len=context_length(cfg, tokenizer, problems, chat_kwargs),
+                        max_model_len=context or context_length(cfg, tokenizer, problems, chat_kwargs),
                         kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                         sleep_level=cfg.vllm_sleep_level, enforce_eager=cfg.enforce_eager,
                         chat_template_kwargs=chat_kwargs, external_launcher=dist.active(),
                         progress_bars=cfg.verbose, rank=dist.rank(), lora_rank=engine_lora(cfg))
 
 
-def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs):
+def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kwargs, context=None):
     """The policy (fp32 master weights on `device`; under torchrun sharded with FSDP2), the
     frozen reference (kl_beta > 0 only; not sharded: it has no gradients or optimizer state),
     the tokenizer and the rollout engine, which starts from (or is pushed) the policy's
-    weights. vLLM's context is sized for `problems` (context_length). Under torchrun every
+    weights. vLLM's context is sized for `problems` (context_length; `context`: check_fit's). Under torchrun every
     rank has its own engine; an HF engine then holds its own unsharded copy of the weights.
 
     LoRA: the policy is lora.load_policy's, the reference the policy read with its adapters off,
@@ -792,7 +797,7 @@ def load_models(cfg, model_path, weights_path, engine, device, problems, chat_kw
     holds = model_path  # the weights the engine holds: a given engine has cfg.model's
     if engine is None:
         holds = model_path if cfg.lora_rank else weights_path  # a LoRA checkpoint holds adapters, not a model
-        engine = start_engine(cfg, holds, tokenizer, problems, chat_kwargs, device, policy)
+        engine = start_engine(cfg, holds, tokenizer, problems, chat_kwargs, device, policy, context)
     if holds != weights_path:  # a resume moved on from what the engine holds
         lora.push_policy(engine, policy)
     return policy, reference, tokenizer, engine

@@ -727,9 +727,9 @@ class Run:
     scalars: dict = field(default_factory=dict)  # a method's own numbers for this step's metrics line (rank 0's)
 
 
-def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
-    """Join the process group, make the run folder, load the models for `data` (load_data's sets),
-    build the optimizer and put back a checkpoint's state (resume_point read it) -> Run."""
+def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector, context=None):
+    """Join the process group, make the run folder, load the models for `data` (load_data's sets;
+    `context`: vLLM's, as check_fit measured it), build the optimizer and put back a checkpoint's state (resume_point read it) -> Run."""
     started = time.perf_counter()
     # a day: in a GEPA round the other ranks wait while rank 0 reflects
     rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)
@@ -762,7 +762,7 @@ def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     chat_kwargs = chat_template_kwargs(cfg)
     policy, reference, tokenizer, engine = load_models(cfg, model_path, resume_path or model_path, engine, device,
-                                                       train_set + dev_set, chat_kwargs)
+                                                       train_set + dev_set, chat_kwargs, context)
     if device.type == "cuda":  # vLLM left torch one CPU thread (checksums, the CPU snapshot, tokenising)
         torch.set_num_threads(cpu_threads(cfg.cpu_threads))
     trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters; the base has no state
@@ -895,10 +895,10 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
     check_models(cfg)  # the model and reflector (no download),
     data = load_data(cfg)  # every data row, and below the reward on the first gold answer
     check_run_folder(cfg, resume_path)  # --out_dir writable; a run's name reused only by --resume
-    check_fit(cfg, data[0] + data[1], chat_template_kwargs(cfg))  # LoRA targets, the context: config and tokenizer
+    context = check_fit(cfg, data[0] + data[1], chat_template_kwargs(cfg))  # LoRA targets; the context, measured once
     check_fn = reward_scorer(cfg, data[0])  # --reward: one scorer for rollouts, GEPA, the dev set (and eval.py)
     reward_fn = reward_fn or (lambda text, problem: check_fn(text, problem).reward)
-    run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector)
+    run = start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector, context)
     state, is_main, stop = run.state, run.is_main, StopSignal()
     if is_main:
         print(loss_note(cfg, run.terms))

@@ -497,6 +497,11 @@ def test_context_length_covers_the_longest_prompt_template_and_answer(model_path
             {"role": "assistant", "content": train.gepa.DELIM_OPEN}]
     assert len(encode_prompt(tok, meta)) + 30 <= need
     assert need > longest + 40 + 2 + 16  # here the reflection prompt is the longer one
+    # check_fit measures the context once and hands it to the engine's start (vLLM); the HF backend takes none
+    for c in (grpo_cfg, cfg):
+        c.model = model_path
+        assert rollout.check_fit(c, problems, {}) == rollout.context_length(c, tok, problems, {})
+    assert rollout.check_fit(Config(model=model_path, backend="hf"), problems, {}) is None
 
 
 def test_truncated_importance_sampling_and_the_logged_mismatch(tiny_model):
