@@ -62,13 +62,15 @@ class Config:
     # ---- loss (grpo.py)
     adv_norm: str = "group"  # group: (r - mean) / (std + 1e-6) | none: r - mean (Dr. GRPO) | raw: r (no baseline)
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    eps_low: float = 0.2  # PPO clip below 1
-    eps_high: float = 0.2  # PPO clip above 1 (0.28 = DAPO clip-higher)
-    dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual)
+    policy_loss: str = "ppo"  # ppo (GRPO/DAPO token PPO-clip) | gspo | gspo_token | cispo (docs/METHOD.md §3)
+    eps_low: float = 0.2  # clip below 1: 1 - eps_low (<= 1; CISPO's 1 = no lower bound)
+    eps_high: float = 0.2  # clip above 1 (0.28 = DAPO clip-higher; GSPO 4e-4)
+    dual_clip: float = 0.0  # 0 = off; c > 1 caps the loss of A < 0 tokens at -A c (3 is usual); ppo only
     kl_beta: float = 0.0  # k3 KL weight to the frozen initial policy (0 as in P²O, DAPO, Dr. GRPO)
     ppo_epochs: int = 1  # passes over each rollout batch (1: the ratio is 1, see grpo.py)
     mini_batches: int = 1  # optimizer steps per pass, each on 1/n of the groups (paper: 128 prompts, mini-batches of 64 -> 2)
     tis_cap: float = 0.0  # truncated importance sampling vs the rollout engine: tokens x min(pi_old/pi_sampler, C); 0 = off
+    sampler_correction: str = ""  # engine mismatch: token_tis:C | token_mask:lo,hi | icepop:lo,hi | seq_tis:C | seq_mask:lo,hi | geo_mask:lo,hi
     # ---- P²O: hard-prompt mining, GEPA (gepa.py), context distillation and CRM (distill.py)
     tau: int = 2  # a prompt with fewer than tau successes among its K rollouts is hard (paper 2)
     gepa_min_hard: int = 20  # GEPA runs at an epoch's end only with this many hard prompts (paper 100 on 5K)
@@ -359,6 +361,7 @@ CHOICES = {  # setting -> its allowed values; by Config's sections
     # loss
     "adv_norm": ("group", "none", "raw"),
     "loss_agg": grpo.LOSS_AGGS,
+    "policy_loss": tuple(grpo.POLICY_LOSSES),
     # P²O and reference-code parity
     "reflector_backend": ("hf", "vllm"),
     "crm_denominator": ("all", "kept"),
@@ -399,8 +402,8 @@ POSITIVE = (  # > 0
     "temperature", "top_p", "reflect_top_p", "gpu_memory_utilization", "crm_low", "crm_high", "adam_eps",
     "grad_clip", "reflector_timeout", "lora_alpha", "lora_lr_scale", "clipo_tau",
 )
-BELOW_ONE = ("eps_low", "adam_beta1", "adam_beta2", "lora_dropout")  # < 1
-AT_MOST_ONE = ("top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
+BELOW_ONE = ("adam_beta1", "adam_beta2", "lora_dropout")  # < 1
+AT_MOST_ONE = ("eps_low", "top_p", "reflect_top_p", "gpu_memory_utilization")  # <= 1
 
 
 def check_config(cfg):
@@ -429,6 +432,7 @@ def check_config(cfg):
         raise SystemExit("--fix_importance_ratio acts on distilled rows; it needs --context_distill=True")
     if cfg.crm_denominator == "kept" and cfg.loss_agg != "token-mean":
         raise SystemExit("--crm_denominator=kept needs --loss_agg=token-mean")
+    check_objective(cfg)
     if cfg.lora_rank and not cfg.lora_targets.strip():
         raise SystemExit("--lora_targets is all-linear or a comma list of linear layers (e.g. q_proj,v_proj), got ''")
     try:
@@ -459,6 +463,35 @@ def check_config(cfg):
             gepa.dev_cap(cfg, len(seeds))
         except ValueError as e:
             raise SystemExit(f"--gepa_budget: {e}") from None
+
+
+def check_objective(cfg):
+    """--policy_loss with the loss settings it meets: each combination either has a defined meaning
+    (docs/METHOD.md §3, "Objectives and sampler corrections") or is one line here."""
+    try:
+        correction = grpo.parse_correction(cfg.sampler_correction)
+    except ValueError as e:
+        raise SystemExit(f"--sampler_correction: {e}") from None
+    if correction and cfg.tis_cap:
+        raise SystemExit(f"--tis_cap={cfg.tis_cap:g} and --sampler_correction={cfg.sampler_correction}: one correction "
+                         f"at a time (--tis_cap=C is --sampler_correction=token_tis:C)")
+    loss = cfg.policy_loss
+    if loss != "ppo" and cfg.dual_clip:
+        raise SystemExit(f"--dual_clip caps PPO's token loss; --policy_loss={loss} has none to cap: --dual_clip=0")
+    if loss.startswith("gspo") and cfg.fix_importance_ratio:
+        raise SystemExit(f"--policy_loss={loss} with --fix_importance_ratio: one ratio a response would mix pi(y|x) and "
+                         "pi_old(y|x~) over its tokens; use --policy_loss=ppo or --fix_importance_ratio=False")
+    if loss in grpo.SEQUENCE_RATIO:
+        distills = cfg.crm and cfg.context_distill and (cfg.algo == "p2o" or cfg.fixed_template)
+        level = "token" if cfg.tis_cap else grpo.SAMPLER_CORRECTIONS[correction[0]][2] if correction else None
+        if distills or level == "token":
+            what = "the Context Ratio Mask" if distills else \
+                f"a token-level correction ({cfg.sampler_correction or f'--tis_cap={cfg.tis_cap:g}'})"
+            raise SystemExit(f"--policy_loss={loss} takes one ratio a response, whose gradient runs through every "
+                             f"token: {what} would weight tokens it cannot hold back. Use --policy_loss=gspo_token "
+                             "(the same objective, a gradient path per token)" +
+                             (", or --crm=False" if distills else ", or a sequence-level correction (seq_tis, seq_mask, "
+                              "geo_mask)"))
 
 
 def json_object_setting(flag, text):

@@ -29,6 +29,7 @@ loss value is -mean(A) (about 0), and its gradient is exactly the policy gradien
 -mean(A grad logp). A loss of ~0 is expected, not a bug.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -131,16 +132,20 @@ def k3_kl(logp, ref_logp):
     return (d.exp() - d - 1).clamp(max=KL_CLAMP)
 
 
+def clipped_surrogate(ratio, adv, eps_low, eps_high):
+    """PPO's pessimistic surrogate of a ratio: (max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), where the clip won)."""
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def ppo_clip_token_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, dual_clip=0.0):
     """Per-token PPO-clip loss and where the clip was active. logp, old_logp [B, T]; advantages [B]
     (one per row) or [B, T] (per token: a row's A plus a method's per-token term) -> (loss [B, T],
     clipped [B, T] bool)."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    was_clipped = clipped > unclipped
+    loss, was_clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)
     if dual_clip > 0:
         if dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or 0 = off), got {dual_clip}")
@@ -149,6 +154,135 @@ def ppo_clip_token_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, d
         loss = torch.where(capped, cap.expand_as(loss), loss)
         was_clipped = was_clipped | capped
     return loss, was_clipped
+
+
+# ---------------------------------------------------------------- the policy objectives (--policy_loss)
+# Each: (logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip) -> (loss [B, T], clipped [B, T] bool),
+# a token loss that policy_loss weights (CRM, sampler correction) and aggregates like any other. A new
+# objective of this kind is one function and one entry in POLICY_LOSSES (docs/METHOD.md §3).
+
+
+def ppo_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip):
+    """GRPO / DAPO: the token ratio, PPO-clipped per token (ppo_clip_token_loss)."""
+    return ppo_clip_token_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+
+
+def sequence_log_ratio(logp, old_logp, mask):
+    """[B, 1]: the mean over each row's masked tokens of log pi/pi_old (0 for a row with none)."""
+    m = mask.to(logp.dtype)
+    return ((logp - old_logp) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+
+
+def gspo_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip):
+    """GSPO (Zheng et al. 2025): one ratio a response, s_i = exp(mean_t log pi/pi_old), clipped per
+    response; each token carries its response's loss, so seq-mean-token-mean gives mean_i of it. The
+    gradient of s_i runs through every token of the response."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    s = torch.exp(sequence_log_ratio(logp, old_logp, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, 1]
+    return clipped_surrogate(s.expand_as(logp), adv, eps_low, eps_high)
+
+
+def gspo_token_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip):
+    """GSPO-token: s_it = sg[s_i] pi(y_t) / sg[pi(y_t)], the value of s_i with each token's own gradient
+    path; with one advantage a response it equals GSPO in value and gradient. Written as PPO-clip with
+    the old log-prob moved to logp - log s_i (detached), so that exp(logp - old) = s_i exp(logp - sg logp)."""
+    shifted_old = logp.detach() - sequence_log_ratio(logp.detach(), old_logp, mask)
+    return ppo_clip_token_loss(logp, shifted_old, advantages, eps_low, eps_high, 0.0)
+
+
+def cispo_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip):
+    """CISPO (MiniMax-M1, Chen et al. 2025): -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A log pi_t. The clipped
+    weight is a coefficient, so a token beyond the clip keeps its gradient (bounded), unlike PPO's."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    ratio = torch.exp((logp - old_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return -adv * weight * logp, weight != ratio
+
+
+POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "gspo_token": gspo_token_loss, "cispo": cispo_loss}
+SEQUENCE_RATIO = ("gspo",)  # objectives whose gradient runs through a whole response's ratio (no token weights)
+
+
+# ---------------------------------------------------------------- engine/trainer mismatch (--sampler_correction)
+# Each: (d = log pi_old - log pi_sampler [B, T], known [B, T] bool, band) -> (weight [B, T], touched [B, T] bool).
+# The weight multiplies the policy term's tokens (1 where the engine's log-prob is unknown); `touched`: where
+# it is not 1. Sequence forms give every token of a response its response's weight.
+
+
+def token_tis(d, known, band):
+    """Truncated importance sampling per token: min(pi_old / pi_sampler, C)."""
+    r = d.exp()
+    return torch.where(known, r.clamp(max=band[0]), 1.0), known & (r > band[0])
+
+
+def token_mask(d, known, band):
+    """Token masking: drop a token whose pi_old / pi_sampler leaves [lo, hi] (weight 0), keep the others (1)."""
+    r = d.exp()
+    out = known & ((r < band[0]) | (r > band[1]))
+    return (~out).to(d.dtype), out
+
+
+def icepop(d, known, band):
+    """IcePop (Ring-1T): the ratio pi_old / pi_sampler as the weight inside [lo, hi], 0 outside."""
+    r = d.exp()
+    out = known & ((r < band[0]) | (r > band[1]))
+    return torch.where(out, 0.0, torch.where(known, r, 1.0)), out
+
+
+def _per_response(d, known, mean):
+    """[B, 1]: the log of the product (mean=False) or geometric mean (True) of each response's known token ratios."""
+    k = known.to(d.dtype)
+    total = (d * k).sum(1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return total / k.sum(1, keepdim=True).clamp(min=1) if mean else total
+
+
+def seq_tis(d, known, band):
+    """Sequence truncation: each response weighted min(prod_t pi_old / pi_sampler, C)."""
+    r = _per_response(d, known, mean=False).exp()
+    has = known.any(1, keepdim=True)
+    return torch.where(has, r.clamp(max=band[0]), 1.0).expand_as(d), (has & (r > band[0])).expand_as(d)
+
+
+def _sequence_mask(d, known, band, mean):
+    r = _per_response(d, known, mean).exp()
+    out = known.any(1, keepdim=True) & ((r < band[0]) | (r > band[1]))
+    return (~out).to(d.dtype).expand_as(d), out.expand_as(d)
+
+
+def seq_mask(d, known, band):
+    """Sequence masking: drop a response whose product of token ratios leaves [lo, hi]."""
+    return _sequence_mask(d, known, band, mean=False)
+
+
+def geo_mask(d, known, band):
+    """Sequence masking on the geometric mean of the token ratios (a length-free band, e.g. [0.999, 1.001])."""
+    return _sequence_mask(d, known, band, mean=True)
+
+
+SAMPLER_CORRECTIONS = {  # name -> (function, the band's values, the level it acts at)
+    "token_tis": (token_tis, ("C",), "token"), "token_mask": (token_mask, ("lo", "hi"), "token"),
+    "icepop": (icepop, ("lo", "hi"), "token"), "seq_tis": (seq_tis, ("C",), "sequence"),
+    "seq_mask": (seq_mask, ("lo", "hi"), "sequence"), "geo_mask": (geo_mask, ("lo", "hi"), "sequence"),
+}
+
+
+def parse_correction(text):
+    """'token_mask:0.5,2' -> ('token_mask', (0.5, 2.0)); '' -> None. ValueError naming what is wrong."""
+    if not text:
+        return None
+    name, _, band = text.partition(":")
+    if name not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"the correction is one of {' | '.join(SAMPLER_CORRECTIONS)}, got {name!r}")
+    keys = SAMPLER_CORRECTIONS[name][1]
+    try:
+        values = tuple(float(v) for v in band.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != len(keys) or not all(math.isfinite(v) and v > 0 for v in values) \
+            or (len(values) == 2 and values[0] >= values[1]):
+        form = "C > 0" if len(keys) == 1 else "lo,hi with 0 < lo < hi"
+        raise ValueError(f"{name} takes {name}:{','.join(keys)} ({form}), got {text!r}")
+    return name, values
 
 
 def aggregate(token_loss, mask, mode, step_tokens, step_rows, max_len=None, weight=None):
@@ -196,7 +330,7 @@ def step_denominators(tokens, rows, crm_templated_tokens=0, crm_weight_sum=0.0, 
 
 def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, eps_high=0.2, dual_clip=0.0,
                 loss_agg="token-mean", max_len=None, crm_weight=None, sampler_logp=None, sampler_mask=None,
-                tis_cap=0.0):
+                tis_cap=0.0, objective="ppo", correction=None):
     """One micro-batch's share of the step loss (summed over the step's micro-batches it is the
     step loss, whatever the split) and sums for the logs. All tensors [B, T]; advantages [B, T]
     or [B] (one per row).
@@ -205,28 +339,49 @@ def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, 
     old_logp     pi_old's (None: one update per batch, so rho = 1: logp.detach())
     mask         bool: positions that predict a response token
     crm_weight   Context Ratio Mask weights (1 on plain rows; None: all 1)
+    objective    a key of POLICY_LOSSES: the token loss (ppo: PPO-clip; gspo, gspo_token, cispo)
     sampler_logp the rollout engine's log-probs where sampler_mask is set: the logged mismatch
-                 |log pi_old - log pi_sampler| and, with tis_cap = C > 0, truncated importance
-                 sampling min(pi_old / pi_sampler, C) on the policy-gradient term
+                 (|log pi_old - log pi_sampler|, KL k1 and k3 of engine against trainer, both
+                 perplexities) and, with `correction` = (a key of SAMPLER_CORRECTIONS, its band),
+                 a weight on the policy term's tokens; tis_cap = C > 0 is ('token_tis', (C,))
 
     The KL term is not here: train.py adds it as an auxiliary term (train.AuxTerm "kl": kl_beta x
     aggregate(k3_kl(logp, ref_logp)) over the tokens, its own denominator, never weighted).
-    Returns (loss, {clipped_tokens, mismatch_tokens, mismatch_abs_sum, mismatch_abs_max}).
+    Returns (loss, sums): clipped_tokens, mismatch_tokens / _seqs / _abs_sum / _abs_max / _k1_sum / _k3_sum,
+    trainer_nll_sum, sampler_nll_sum, corrected_tokens, corrected_seqs.
     """
     old_logp = logp.detach() if old_logp is None else old_logp
-    pg, clipped = ppo_clip_token_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    pg, clipped = POLICY_LOSSES[objective](logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip)
     weight = crm_weight
     sums = {"clipped_tokens": (clipped & mask).sum().item(), "mismatch_tokens": 0, "mismatch_abs_sum": 0.0,
             "mismatch_abs_max": 0.0}
+    correction = correction or (("token_tis", (tis_cap,)) if tis_cap > 0 else None)
     if sampler_logp is not None:
-        mismatch = (old_logp - sampler_logp)[sampler_mask]  # [n] trainer vs rollout engine, same context
-        sums.update(mismatch_tokens=mismatch.numel(), mismatch_abs_sum=mismatch.abs().sum().item(),
-                    mismatch_abs_max=mismatch.abs().max().item() if mismatch.numel() else 0.0)
-        if tis_cap > 0:  # the rollouts came from the engine, not from pi_old
-            tis = torch.where(sampler_mask, (old_logp - sampler_logp).exp().clamp(max=tis_cap), 1.0)
-            weight = tis if weight is None else weight * tis
+        fix, known = mismatch_sums(old_logp, sampler_logp, sampler_mask, correction, sums)
+        if fix is not None:  # the rollouts came from the engine, not from pi_old
+            weight = fix if weight is None else weight * fix
     m = mask.to(logp.dtype)
     return aggregate(pg, m, loss_agg, denominators.pg, denominators.rows, max_len, weight), sums
+
+
+def mismatch_sums(old_logp, sampler_logp, known, correction, sums):
+    """The trainer-vs-engine diagnostics over the tokens whose engine log-prob is known, added to `sums`, and
+    the correction's weight [B, T] (None without one). With d = log pi_old - log pi_sampler on tokens the
+    engine sampled: k1 = -d and k3 = exp(d) - 1 - d estimate KL(engine || trainer); the perplexities are
+    exp of the mean negative log-prob on each side."""
+    d = old_logp - sampler_logp
+    on = d[known]  # [n]
+    k3 = on.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sums.update(mismatch_tokens=on.numel(), mismatch_seqs=known.any(1).sum().item(),
+                mismatch_abs_sum=on.abs().sum().item(), mismatch_abs_max=on.abs().max().item() if on.numel() else 0.0,
+                mismatch_k1_sum=-on.sum().item(), mismatch_k3_sum=(k3.exp() - 1 - k3).sum().item(),
+                trainer_nll_sum=-old_logp[known].sum().item(), sampler_nll_sum=-sampler_logp[known].sum().item())
+    if correction is None:
+        return None, known
+    fn = SAMPLER_CORRECTIONS[correction[0]][0]
+    weight, touched = fn(d, known, correction[1])
+    sums.update(corrected_tokens=(touched & known).sum().item(), corrected_seqs=(touched & known).any(1).sum().item())
+    return weight, known
 
 
 def scatter_rows(values, mask, fill=0.0):

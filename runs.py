@@ -680,15 +680,26 @@ def sampler_mismatch_bound(cfg):
 
 
 def sampler_mismatch(sums, cfg):
-    """The step's trainer-vs-engine log-prob gap over the tokens it trained (mean, max) and the
-    flag sampler_stale: 1.0 when the mean is above sampler_mismatch_bound, 0.0 when not, all three
-    NaN on a step that measured no token."""
-    if not sums["mismatch_tokens"]:
-        return {"sampler_mismatch_mean": float("nan"), "sampler_mismatch_max": float("nan"),
-                "sampler_stale": float("nan")}
-    mean = sums["mismatch_abs_sum"] / sums["mismatch_tokens"]
-    return {"sampler_mismatch_mean": mean, "sampler_mismatch_max": sums["mismatch_abs_max"],
-            "sampler_stale": float(mean > sampler_mismatch_bound(cfg))}
+    """The step's trainer-vs-engine gap over the tokens it trained whose engine log-prob is known
+    (d = log pi_old - log pi_sampler): |d| mean and max, the flag sampler_stale (1.0 when the mean is
+    above sampler_mismatch_bound), KL(engine || trainer) by the k1 (-d) and k3 (exp d - 1 - d)
+    estimators, the perplexity of those tokens on each side, and with --sampler_correction (or
+    --tis_cap) the share of those tokens and responses it truncated or dropped. NaN on a step that
+    measured no token."""
+    n, get = sums["mismatch_tokens"], lambda key: sums.get(key, 0)
+    if not n:
+        names = ["sampler_mismatch_mean", "sampler_mismatch_max", "sampler_stale", "sampler_kl_k1", "sampler_kl_k3",
+                 "trainer_ppl", "sampler_ppl"]
+        names += ["corrected_token_fraction", "corrected_seq_fraction"] if cfg.sampler_correction or cfg.tis_cap else []
+        return dict.fromkeys(names, float("nan"))
+    out = {"sampler_mismatch_mean": sums["mismatch_abs_sum"] / n, "sampler_mismatch_max": sums["mismatch_abs_max"],
+           "sampler_stale": float(sums["mismatch_abs_sum"] / n > sampler_mismatch_bound(cfg)),
+           "sampler_kl_k1": get("mismatch_k1_sum") / n, "sampler_kl_k3": get("mismatch_k3_sum") / n,
+           "trainer_ppl": math.exp(get("trainer_nll_sum") / n), "sampler_ppl": math.exp(get("sampler_nll_sum") / n)}
+    if cfg.sampler_correction or cfg.tis_cap:
+        out.update(corrected_token_fraction=get("corrected_tokens") / n,
+                   corrected_seq_fraction=get("corrected_seqs") / max(1, get("mismatch_seqs")))
+    return out
 
 
 def step_metrics(state, groups, update, info, lr, cfg, terms=()):

@@ -483,7 +483,8 @@ def micro_batch_loss(policy, b, cfg, part, terms, with_entropy, coefs=None):
     loss, sums = grpo.policy_loss(
         logp, old_logp, b.advantages, rollout, part.denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg, max_len=cfg.max_tokens, crm_weight=b.crm_weight,
-        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask & rollout, tis_cap=cfg.tis_cap)
+        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask & rollout, tis_cap=cfg.tis_cap,
+        objective=cfg.policy_loss, correction=grpo.parse_correction(cfg.sampler_correction))
     sums = Counter(sums, loss_policy=loss.item())
     for term in terms:
         if b.dummy or not b.of_kind(term.kind).any():  # none of its rows here (their share would be 0)

@@ -1,6 +1,7 @@
 """--config=FILE, --dry_run and the shipped configs/: the CPU default is train.Config's default, and
 the official preset holds the released reference script's values (each listed with its source)."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -126,6 +127,25 @@ def test_the_clipo_preset_holds_the_released_values_and_nothing_else():
     assert differ == {k: v for k, (v, _) in CLIPO.items() if v != getattr(Config(), k)}
     assert all(getattr(cfg, k) == v for k, (v, _) in CLIPO.items())
     config.check_config(cfg)
+
+
+# The objectives' published recipes (issue 53): name -> (value, source), written from the papers.
+GSPO = {"algo": ("grpo", "a GRPO-family objective"), "policy_loss": ("gspo", "arXiv:2507.18071 eq. 5-7"),
+        "eps_low": (3e-4, "§5.1"), "eps_high": (4e-4, "§5.1"), "loss_agg": ("seq-mean-token-mean", "eq. 5"),
+        "mini_batches": (4, "§5.1 four minibatches"), "kl_beta": (0.0, "eq. 5")}
+CISPO = {"algo": ("grpo", "§3.1"), "policy_loss": ("cispo", "arXiv:2506.13585 eq. 4"),
+         "eps_low": (1.0, "§3.1 no lower bound"), "eps_high": (3.0, "ScaleRL's cap of 4"),
+         "loss_agg": ("token-mean", "eq. 4"), "kl_beta": (0.0, "§3.1")}
+
+
+@pytest.mark.parametrize("name, values", [("gspo", GSPO), ("cispo", CISPO)])
+def test_the_objective_presets_hold_the_papers_values_and_nothing_else(name, values):
+    cfg = apply_config_file(Config(), os.path.join(ROOT, "configs", f"{name}.yaml"))
+    differ = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(Config(), k)}
+    assert differ == {k: v for k, (v, _) in values.items() if v != getattr(Config(), k)}
+    config.check_config(cfg)
+    with pytest.raises(SystemExit) if name == "gspo" else contextlib.nullcontext():  # GSPO with P²O's CRM: refused
+        config.check_config(dataclasses.replace(cfg, algo="p2o"))
 
 
 def test_the_one_gpu_lora_preset_is_the_official_recipe_with_lora():

@@ -307,8 +307,9 @@ def test_a_step_that_measured_no_token_logs_nan_mismatch_and_a_stale_engine_is_f
     cfg32 = Config(backend="hf", autocast_bf16=False, temperature=1.0)
     assert sampler_mismatch_bound(cfg32) == pytest.approx(0.01)
     none = sampler_mismatch({"mismatch_tokens": 0, "mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0}, cfg)
-    assert all(math.isnan(v) for v in none.values()) and set(none) == {"sampler_mismatch_mean",
-                                                                          "sampler_mismatch_max", "sampler_stale"}
+    assert all(math.isnan(v) for v in none.values()) and set(none) == {
+        "sampler_mismatch_mean", "sampler_mismatch_max", "sampler_stale", "sampler_kl_k1", "sampler_kl_k3",
+        "trainer_ppl", "sampler_ppl"}
     within = sampler_mismatch({"mismatch_tokens": 10, "mismatch_abs_sum": 1.9, "mismatch_abs_max": 0.5}, cfg)
     above = sampler_mismatch({"mismatch_tokens": 10, "mismatch_abs_sum": 2.1, "mismatch_abs_max": 0.5}, cfg)
     assert (within["sampler_mismatch_mean"], within["sampler_stale"], above["sampler_stale"]) == (0.19, 0.0, 1.0)
