@@ -258,10 +258,18 @@ def read_config_file(path):
 
         class Loader(yaml.SafeLoader):
             def construct_mapping(self, node, deep=False):
-                self.flatten_mapping(node)  # YAML's merge keys (<<), as SafeLoader takes them
-                mark = node.start_mark
-                return unique([(self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
-                               for k, v in node.value], f" line {mark.line + 1}")
+                first = {}  # a key written twice in one mapping is an error naming both lines
+                for k, _ in node.value:
+                    if k.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key, line = self.construct_object(k, deep=deep), k.start_mark.line + 1
+                    if key in first:
+                        raise SystemExit(f"--config: {path} line {line}: {key} given more than once (first on "
+                                         f"line {first[key]})")
+                    first[key] = line
+                self.flatten_mapping(node)  # YAML's merge keys (<<): merged first, so the mapping's own keys win
+                return dict((self.construct_object(k, deep=deep), self.construct_object(v, deep=deep))
+                            for k, v in node.value)
 
         try:
             settings = yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader

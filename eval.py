@@ -27,6 +27,7 @@ setting exits non-zero with one line (`file:line: why` for data).
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ from prompts import FORMATS, encode_prompt, problem_messages
 from rollout import make_rollout
 from runs import TRAIN_CONFIG, route_library_logs
 from scoring import ScoringError, answer_records, default_k, summarize_records
-from verify import reward_scorer
+from verify import reward_scorer, take_failures
 
 def format_table(rows):
     """Rows {name: {column: value}} -> an aligned text table (columns from the first row)."""
@@ -59,13 +60,22 @@ def format_table(rows):
 def eval_context(model_path, problems, args, template="", chat_kwargs=None):
     """vLLM's max_model_len for this evaluation: --max_model_len, or the longest prompt (with
     the template, prompt format and chat-template arguments) plus --max_tokens, so that every
-    answer may reach --max_tokens. A given context too short for that is an error, not a silent cut."""
+    answer may reach --max_tokens. A given context too short for that is an error, not a silent cut;
+    so is a problem that does not fit the model's positions with --max_tokens (named)."""
     from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
 
+    from transformers import AutoConfig
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    longest = max(len(encode_prompt(tokenizer, problem_messages(p, template, fmt=args.prompt_format), chat_kwargs))
-                  for p in problems)
+    lengths = [len(encode_prompt(tokenizer, problem_messages(p, template, fmt=args.prompt_format), chat_kwargs))
+               for p in problems]
+    longest = max(lengths)
     need = longest + args.max_tokens
+    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    if positions and need > positions:
+        name = problems[lengths.index(longest)].id
+        raise SystemExit(f"problem {name} ({longest:,} prompt tokens) + --max_tokens={args.max_tokens} needs "
+                         f"{need:,} positions, over the model's {positions:,}: shorten it, drop it, or lower --max_tokens")
     if args.max_model_len and args.max_model_len < need:
         raise SystemExit(f"--max_model_len={args.max_model_len} cannot hold the longest prompt ({longest} tokens) "
                          f"and --max_tokens={args.max_tokens}: answers would be cut; use at least {need} (or 0)")
@@ -165,20 +175,31 @@ def load_inputs(args):
     template = args.template
     if template.startswith("@"):
         template = read_seed_templates(template[1:], max_chars=10_000)[0]
+    every_problem = [p for ps in benchmarks.values() for p in ps]
+    try:  # both backends: a problem the model cannot hold is named here, before any engine
+        args.context = eval_context(engine_model(args)[0], every_problem, args, template, chat_kwargs)
+    except SystemExit as e:
+        raise ValueError(str(e)) from None
     return benchmarks, template, chat_kwargs
 
 
-def make_engine(args, benchmarks, template, chat_kwargs, rank):
-    """One engine a process (torchrun: one a rank), its context sized for every benchmark. A LoRA
-    run's checkpoint or export on vLLM: the base, serving the adapters as vLLM's LoRA (model.served_adapter)."""
+def engine_model(args):
+    """(the folder an engine loads, the adapter it serves or None): a LoRA run's checkpoint or export on vLLM is
+    its base serving the adapters as vLLM's LoRA (model.served_adapter)."""
     adapter = served_adapter(args.model) if args.backend == "vllm" and os.path.isdir(args.model) else None
-    model_path = base_of(args.model) if adapter else resolve_model(args.model)
+    return (base_of(args.model) if adapter else resolve_model(args.model)), adapter
+
+
+def make_engine(args, benchmarks, template, chat_kwargs, rank):
+    """One engine a process (torchrun: one a rank), its context sized for every benchmark (load_inputs measured
+    it). A LoRA run's checkpoint or export on vLLM: the base, serving the adapters (engine_model)."""
+    model_path, adapter = engine_model(args)
     options = {"rank": rank, "chat_template_kwargs": chat_kwargs or None}  # seeded samples differ between ranks
     if args.backend == "vllm":
-        every_problem = [p for ps in benchmarks.values() for p in ps]
+        context = getattr(args, "context", None) or eval_context(
+            model_path, [p for ps in benchmarks.values() for p in ps], args, template, chat_kwargs)
         options.update(external_launcher=dist.active(), enforce_eager=args.enforce_eager, progress_bars=args.verbose,
-                       gpu_memory_utilization=args.gpu_memory_utilization,
-                       max_model_len=eval_context(model_path, every_problem, args, template, chat_kwargs))
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=context)
     state = lora.read_adapter(adapter) if adapter else None
     if state:
         options["lora_rank"] = state[1]
@@ -189,11 +210,26 @@ def make_engine(args, benchmarks, template, chat_kwargs, rank):
     return engine
 
 
+def check_out(out):
+    """--out names a file that can be written (its folder made if missing): a one-line reason, or None."""
+    if os.path.isdir(out) or out.endswith(("/", os.sep)):
+        return f"--out={out} is a folder; give a file name, e.g. {os.path.join(out, 'eval.json')}"
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"--out={out}: cannot make its folder {folder} ({e.strerror})"
+    if not os.access(folder, os.W_OK):
+        return f"--out={out}: its folder {folder} is not writable"
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if os.path.isdir(args.out):
-        print(f"error: --out={args.out} is a folder; give a file name, e.g. {os.path.join(args.out, 'eval.json')}",
-              file=sys.stderr)
+    bad = check_out(args.out) or next((f"--{k} must be a finite number, got {v}" for k, v in vars(args).items()
+                                       if isinstance(v, float) and not math.isfinite(v)), None)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     try:  # validate settings, model and every data file before spending minutes on an engine
         benchmarks, template, chat_kwargs = load_inputs(args)
@@ -224,6 +260,12 @@ def main(argv=None):
         records = dist.unsplit(dist.gather_objects(mine))  # every problem once, in data order
         overall, by_source = summarize_records(records, k)
         results[name] = {"k": k, "temperature": args.temperature, "overall": overall, "by_source": by_source}
+        failed = dist.all_sum(take_failures())  # --reward_errors=zero: calls scored 0, every rank's
+        if failed:
+            results[name]["reward_failures"] = failed
+            if dist.is_main():
+                print(f"WARNING: {name}: {failed} calls of the custom --reward failed (raised, timed out or returned "
+                      "no number) and scored 0 (--reward_errors=zero)")
         all_records[name] = records
         table[name] = overall
         if len(by_source) > 1:

@@ -181,9 +181,12 @@ def read_seed_templates(path, max_chars):
     """Human-written templates (Human-Ref), one per line; blank lines and lines starting with '#'
     are skipped. A template longer than max_chars is an error naming its line."""
     templates = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            text = line.strip()
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error naming it
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not text or text.startswith("#"):
                 continue
             if len(text) > max_chars:

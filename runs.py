@@ -26,6 +26,7 @@ reached move to abandoned/<time>/, so nothing is lost and no step is logged twic
 
 import dataclasses
 import difflib
+import errno
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import resource
 import secrets
 import shutil
 import signal
+import threading
 import sys
 import tempfile
 import time
@@ -68,6 +70,16 @@ def warmup_factor(warmup_steps, from_zero, step):
     if step >= warmup_steps:
         return 1.0
     return (step + (0 if from_zero else 1)) / warmup_steps
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # a full disk, a quota, a read-only folder
+
+
+def quiet_disk_errors(args, default=threading.excepthook):
+    """threading.excepthook: a background writer (TensorBoard's) that hits DISK_ERRORS dies quietly; the main thread
+    meets the same error at its next write and main() reports it in one line."""
+    if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_ERRORS):
+        default(args)
 
 
 def checkpoint_step(name, prefix="ckpt"):
@@ -262,7 +274,9 @@ def dev_eval(run):
     if run.is_main:
         run.log.dev(state.step, overall)
         tqdm.write(f"dev @ step {state.step}: greedy {overall['greedy']:.3f}" +
-                   (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else ""))
+                   (f", avg@{cfg.eval_k} {overall[f'avg@{cfg.eval_k}']:.3f}" if cfg.eval_k else "") +
+                   (f" (mean rewards: the reward ranges over [{overall['reward_min']:g}, {overall['reward_max']:g}])"
+                    if "reward_max" in overall else ""))
     if state.step > 0 and overall["greedy"] > state.best_dev:  # best-dev checkpoint, as the paper reports
         state.best_dev, state.best_step = overall["greedy"], state.step
         checkpoint(run)
@@ -849,5 +863,6 @@ def print_summary(run_dir, counts, generated, gepa_history, dev_records, dev_siz
         print(f"WARNING: {counts['reward_failures']} calls of the custom --reward failed (raised, timed out or "
               "returned no number) and scored 0 (--reward_errors=zero)")
     if len(dev_records) > 1:  # from dev.jsonl, so a resumed run reports its whole branch
-        print(f"dev greedy accuracy: {dev_records[0]['greedy']:.3f} before (step {dev_records[0]['step']}) -> "
+        what = "mean reward (rewards outside [0, 1])" if any("reward_max" in r for r in dev_records) else "accuracy"
+        print(f"dev greedy {what}: {dev_records[0]['greedy']:.3f} before (step {dev_records[0]['step']}) -> "
               f"{dev_records[-1]['greedy']:.3f} after (step {dev_records[-1]['step']}; {dev_size} problems)")

@@ -119,6 +119,7 @@ def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progre
     greedy answer (temperature 0). One call waits for its longest answer once, not twice."""
     messages = [[problem_messages(p, template, fmt=prompt_format) for p in problems] for problems, template, _ in sets]
     flat = [m for ms in messages for m in ms]
+    every = [p for problems, _, _ in sets for p in problems]
     ks = [k for (problems, _, k) in sets for _ in problems]
     sampled = [(m, k) for m, k in zip(flat, ks) if k]
     out = engine.generate([m for m, _ in sampled] + flat, n=[k for _, k in sampled] + [1] * len(flat),
@@ -132,8 +133,11 @@ def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progre
             s = score_groups(problems, ms, [next(samples) for _ in problems], reward) if k else [None] * len(problems)
             records.append([{**a, "sampled": b} for a, b in zip(g, s)])
     except Exception as e:  # a reward that fails: what was generated is not lost with it
-        raise ScoringError(str(e), [{"prompt": m[-1]["content"], "responses": [s.text for s in group]}
-                                    for m, group in zip([m for m, _ in sampled] + flat, out)]) from e
+        asked = [p for p, k in zip(every, ks) if k] + every  # the problem of each engine request, in order
+        raise ScoringError(str(e), [{"id": p.id, "answer": p.answer, "greedy": i >= len(sampled),
+                                     "prompt": m[-1]["content"], "responses": [s.text for s in group]}
+                                    for i, (p, m, group) in enumerate(zip(asked, [m for m, _ in sampled] + flat, out))]
+                           ) from e
     return records
 
 

@@ -40,7 +40,6 @@ of docs/METHOD.md §9, all set by `--config=configs/p2o_official.yaml`.
 import contextlib
 import copy
 import dataclasses
-import errno
 import functools
 import json
 import math
@@ -48,6 +47,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,10 +69,10 @@ from forward import autocast, group_hidden_means, response_logprobs, row_logprob
 from model import check_models, pad_token_id, resolve_model
 from prompts import encode_prompt, gold_text, problem_messages
 from rollout import Sample, check_fit, greedy_answers, load_models, make_reflector, remote_reflector
-from runs import (RunLog, StopSignal, budget_spent, check_run_folder, checkpoint, console_line, dev_eval, export,
-                  fields_of, forward_tokens, generated_tokens, link_checkpoint, load_rank_state, loss_note,
-                  method_metrics, print_summary, restore_trainer, resume_point, route_library_logs,
-                  sampler_mismatch_bound, shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
+from runs import (DISK_ERRORS, RunLog, StopSignal, budget_spent, check_run_folder, checkpoint, console_line,
+                  dev_eval, export, fields_of, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
+                  loss_note, method_metrics, pointer_target, print_summary, quiet_disk_errors, restore_trainer,
+                  resume_point, route_library_logs, sampler_mismatch_bound, shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
 from scoring import ScoringError
 from verify import RewardError, reward_scorer, take_failures
 
@@ -868,15 +868,18 @@ def closing_dev_eval(run):
     return records
 
 
-def save_done(run, done):
-    """A user's reward stopped the run (--reward_errors=stop): the last completed step's checkpoint -> its path.
-    Rewards are called before a step's update (rollouts, GEPA, the dev set), so the policy is still that of `done`
-    whenever the step count has not moved; the step in flight is dropped. Under torchrun the failing rank alone is
-    here (a checkpoint is collective): None, and the last saved checkpoint stands."""
-    if dist.active() or run.state.step != done.step or done.step == 0:
-        return None
-    run.state = done
-    return checkpoint(run)
+def save_done(run, done, error):
+    """A user's reward stopped the run (--reward_errors=stop): the last completed step's checkpoint, its path in
+    error.checkpoint (else None; error.latest: the run's last checkpoint, if any). Rewards are called before a step's
+    update (rollouts, GEPA, the dev set), so the policy is still that of `done` whenever the step count has not
+    moved; the step in flight is dropped. Under torchrun the failing rank alone is here (a checkpoint is
+    collective): nothing is saved, and the last saved checkpoint stands."""
+    error.checkpoint = None
+    if not dist.active() and run.state.step == done.step > 0:
+        run.state = done
+        error.checkpoint = checkpoint(run)
+    latest = pointer_target(run.run_dir, "latest")
+    error.latest = os.path.join(run.run_dir, latest) if latest else None
 
 
 def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
@@ -942,7 +945,7 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
         records = closing_dev_eval(run)
     except BaseException as e:
         if isinstance(e, (RewardError, ScoringError)):  # a user's reward stopped the run (--reward_errors=stop)
-            e.checkpoint = save_done(run, done)
+            save_done(run, done, e)
         dist.share_failure(e)  # the other ranks' errors name this one, or this rank's names an earlier one's
         raise
     finally:
@@ -962,6 +965,7 @@ def train(cfg, engine=None, reward_fn=None, reflector=None, given=None):
 
 
 def main(argv):
+    threading.excepthook = quiet_disk_errors
     if {"-h", "--help"} & set(argv):
         print(config_help(Config))
         return
@@ -973,12 +977,13 @@ def main(argv):
         out = train(cfg, given=given)
     except (RewardError, ScoringError) as e:  # the user's reward is untrusted code: one line naming the problem
         saved = f"the last completed step saved in {e.checkpoint}" if getattr(e, "checkpoint", None) \
-            else "its last checkpoint stands"
+            else f"its last checkpoint {e.latest} stands" if getattr(e, "latest", None) else "no checkpoint yet"
         sys.exit(f"{e}; the run stopped ({saved}; --reward_errors=zero scores such calls 0)")
     except OSError as e:  # a full disk, a quota, a folder made read-only mid-run: every file is written atomically
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        if e.errno not in DISK_ERRORS:
             raise
-        sys.exit(f"cannot write {e.filename or 'a run file'}: {e.strerror}; the run stopped, its last checkpoint stands")
+        name = os.fsdecode(e.filename) if e.filename else "a run file"
+        sys.exit(f"cannot write {name}: {e.strerror}; the run stopped, its last checkpoint stands")
     if out.get("interrupted"):  # saved, but not complete: a scheduler or `train && eval` must not see success
         sys.exit(128 + out["signal"])  # as a shell reports a signal's end (docs/TRAINING.md, "Exit status")
 

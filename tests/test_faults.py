@@ -118,10 +118,25 @@ def test_a_setting_given_twice_in_a_config_file_is_an_error_not_the_last_one(tmp
         config.read_config_file(str(path))
 
 
-def test_a_yaml_merge_key_still_reads(tmp_path):
+def test_a_yaml_merge_key_still_reads_and_the_mappings_own_key_overrides_it(tmp_path):
     path = tmp_path / "merge.yaml"
-    path.write_text("base: &b\n  x: 1\nrest:\n  <<: *b\n  y: 2\n")
-    assert config.read_config_file(str(path))["rest"] == {"x": 1, "y": 2}
+    path.write_text("base: &b\n  x: 1\nrest:\n  <<: *b\n  y: 2\nover:\n  <<: *b\n  x: 3\n")
+    read = config.read_config_file(str(path))
+    assert read["rest"] == {"x": 1, "y": 2} and read["over"] == {"x": 3}  # YAML's rule: the explicit key wins
+
+
+def test_the_duplicate_is_named_on_its_own_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-6\ngroup_size: 4\nlr: 2e-6\n")
+    with pytest.raises(SystemExit, match="line 3: lr given more than once \\(first on line 1\\)"):
+        config.read_config_file(str(path))
+
+
+def test_a_fixed_template_file_not_in_utf8_names_its_line(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"Multiply first.\nthen \xff add\n")
+    with pytest.raises(SystemExit, match=f"--fixed_template: {path}:2: not UTF-8 text"):
+        config.check_config(train.Config(algo="grpo", fixed_template=str(path)))
 
 
 def test_a_reward_may_return_numpys_bool_and_print_at_import(tmp_path, capsys):
@@ -229,7 +244,7 @@ def test_a_reward_failing_mid_run_stops_in_one_line_or_scores_zero_and_is_counte
     with pytest.raises(SystemExit) as stopped:
         train.main(flags)
     assert isinstance(stopped.value.code, str) and f"{fn} " in stopped.value.code and " problem " in stopped.value.code
-    assert "\n" not in stopped.value.code and "last checkpoint stands" in stopped.value.code
+    assert "\n" not in stopped.value.code and "no checkpoint yet" in stopped.value.code  # it failed in step 1
     out = train.train(tiny_config(tiny_model, tmp_path, algo="grpo", reward=f"{rewards_module}:{fn}",
                                   reward_errors="zero", run_name="z"))
     metrics = read_metrics(tmp_path / "z")
@@ -274,6 +289,7 @@ def test_eval_keeps_what_it_generated_when_the_reward_fails(rewards_module, tmp_
     assert code == 1 and not out.exists()
     kept = [json.loads(line) for line in (tmp_path / "e.unscored.jsonl").read_text().splitlines()]
     assert [len(r["responses"]) for r in kept] == [1, 1, 1] and all(r["benchmark"] == str(data) for r in kept)
+    assert [(r["id"], r["answer"], r["greedy"]) for r in kept] == [("p0", "1", True), ("p1", "2", True), ("p2", "3", True)]
     assert evaluation.main([f"--data={data}", f"--out={tmp_path}"]) == 2  # a folder: said before anything loads
 
 
@@ -302,6 +318,64 @@ def test_eval_stops_every_rank_when_one_ranks_reward_fails_and_keeps_what_each_g
     assert len(kept[1]) == 1 and "rewards" not in kept[1][0] and kept[1][0]["benchmark"] == str(second)
     written = json.loads(out.read_text())
     assert written["stopped_at"] == str(second) and list(written["results"]) == [str(first)]
+
+
+def test_eval_refuses_a_bad_out_or_a_non_finite_flag_before_anything_loads(tmp_path, capsys):
+    import eval as evaluation
+
+    (tmp_path / "afile").write_text("")
+    for flags, says in ((["--out=" + str(tmp_path / "new") + "/"], "is a folder"),
+                        (["--out=" + str(tmp_path / "afile" / "x.json")], "cannot make its folder"),
+                        ([f"--out={tmp_path / 'e.json'}", "--temperature=nan"], "--temperature must be a finite number"),
+                        ([f"--out={tmp_path / 'e.json'}", "--reward_timeout=inf"], "--reward_timeout must be a finite")):
+        assert evaluation.main(["--data=nowhere.jsonl", *flags]) == 2  # the data file is not even read
+        assert says in capsys.readouterr().err
+
+
+def test_eval_names_a_problem_too_long_for_the_model_before_any_engine(tmp_path, capsys):
+    import json
+
+    import eval as evaluation
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": "ok", "problem": "What is 1 + 1?", "answer": "2"}) + "\n" +
+                    json.dumps({"id": "huge", "problem": "1 + " * 20_000 + "1", "answer": "20001"}) + "\n")
+    for backend in ("vllm", "hf"):
+        code = evaluation.main([f"--data={data}", f"--backend={backend}", "--k=0", f"--out={tmp_path / 'e.json'}"])
+        err = capsys.readouterr().err
+        assert code == 2 and "problem huge" in err and "over the model's 8,192" in err, err
+
+
+def test_eval_counts_the_reward_calls_the_zero_policy_scored(rewards_module, tmp_path, capsys):
+    import json
+
+    import eval as evaluation
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "e.json"
+    assert evaluation.main([f"--data={data}", "--backend=hf", "--k=2", "--max_tokens=4", f"--out={out}",
+                            f"--reward={rewards_module}:raises_later", "--reward_errors=zero"]) == 0
+    failed = json.loads(out.read_text())["results"][str(data)]["reward_failures"]
+    assert failed == 9  # 3 problems x (2 samples + greedy), none boxed in 4 tokens
+    assert f"{failed} calls of the custom --reward failed" in capsys.readouterr().out
+
+
+def test_a_training_dev_set_scored_outside_0_1_is_called_a_mean_reward(tiny_model, tmp_path, capsys):
+    import json
+
+    from conftest import tiny_config
+
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"id": f"d{i}", "problem": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n"
+                           for i in range(2)))
+    path = tmp_path / "two.py"
+    path.write_text("def two(response, problem):\n    return 2.0\n")
+    train.train(tiny_config(tiny_model, tmp_path, dev_data=str(dev), eval_every=1, eval_k=0, reward=f"{path}:two"))
+    out = capsys.readouterr().out
+    assert "dev greedy mean reward (rewards outside [0, 1]): 2.000 before" in out and "accuracy: 2.000" not in out
+    assert "(mean rewards: the reward ranges over [2, 2])" in out
 
 
 def test_rewards_outside_0_1_are_not_reported_as_accuracies():
@@ -447,3 +521,27 @@ def test_sigterm_on_the_shipped_model_saves_the_step_and_exits_143(tmp_path):
     done = subprocess.run([sys.executable, "train.py", f"--max_steps={step + 1}", "--resume=auto", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "resuming from " in done.stdout and f"step {step + 1}/{step + 1} " in done.stdout
+
+
+def test_a_background_writer_on_a_read_only_disk_dies_quietly_and_other_thread_errors_still_show():
+    import errno
+    import functools
+    import threading
+
+    shown = []
+
+    def fail(error):
+        def run():
+            raise error
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+
+    old = threading.excepthook
+    threading.excepthook = functools.partial(runs.quiet_disk_errors, default=shown.append)  # the default hook prints
+    try:
+        fail(OSError(errno.EROFS, "Read-only file system", "tb/events"))  # main() names it when the main thread meets it
+        fail(ValueError("a real bug"))
+    finally:
+        threading.excepthook = old
+    assert [type(a.exc_value) for a in shown] == [ValueError]
