@@ -213,6 +213,25 @@ def test_the_whole_update_off_policy_gspo_is_ppo_on_one_token_responses_and_cisp
             torch.testing.assert_close(runs[a][1][k], v, atol=1e-12, rtol=0, msg=f"{a} vs {b}: {k}")
 
 
+def test_gspo_token_with_the_crm_takes_ppos_step_at_ratio_one(tiny_model):
+    """P²O's distilled rows (CRM weights) under GSPO-token: with one update a batch s_i = 1, so each token's
+    gradient is w_t A grad log pi / (G n_i), PPO-clip's under seq-mean-token-mean with the same CRM weights."""
+    from conftest import some_rows
+
+    out = []
+    for objective in ("ppo", "gspo_token"):
+        model = load_tiny(tiny_model).double()
+        cfg = update_config(policy_loss=objective, loss_agg="seq-mean-token-mean", crm_low=0.9, crm_high=1.1)
+        update = train.policy_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), some_rows(), cfg,
+                                     pad_id=2)
+        out.append((update, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    (u0, p0), (u1, p1) = out
+    assert u0.sums["crm_templated_tokens"] > 0 and u0.sums["crm_out_of_band_tokens"] > 0  # the mask binds
+    assert u1.loss == pytest.approx(u0.loss, abs=1e-12)
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], atol=1e-12, rtol=0)
+
+
 def test_gspo_under_shared_prompts_equals_the_row_layout(tiny_model):
     """Packed rows (--shared_prompt) are laid out per row again before the loss: one ratio a response holds."""
     from test_train import shared_rows
