@@ -90,7 +90,7 @@ def report():
     lines += ["Step times between separate runs are not a cost comparison: after step 1 each arm samples its own",
               "rollouts, so it forwards its own number of rows (a group whose rewards are all equal is not forwarded),",
               "and other work shared the machine while some of these ran. What an objective costs is measured side",
-              "by side on one batch by `bench/objectives.py` (docs/METHOD.md §3).", "",
+              "by side on one batch by `bench/objectives.py`: `bench.txt` here.", "",
               "| arm | flags | steps | templated rows (4-6) | rows forwarded (4-6) | mean time_train s (4-6) | "
               "mean time_step s (4-6) | step time / ppo's |", "|---|---|---|---|---|---|---|---|"]
     for arm, flags in ARMS.items():

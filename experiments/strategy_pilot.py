@@ -34,6 +34,13 @@ TEMPLATES = {  # name -> text: a strategy, no answer, nothing specific to one pr
     "steps": "Order of operations: first multiply the two numbers joined by ×, then add the first number to "
              "that product. Write each step, then the final number in \\boxed{}.",
     "pattern": "For a + b × c: compute b × c first, then add a to the result.",
+    # round 2: the strategy shown on a problem outside the level (its a is 1-9: 11 + 2 × 3 is none of its
+    # problems; the answer 17 is some problems' answer too, but no fact about them), or as a two-line scaffold
+    "example": "Worked example: 11 + 2 × 3. First 2 × 3 = 6. Then 11 + 6 = 17. Do the same: multiply first, "
+               "then add.",
+    "scaffold": "Answer in two lines. Line 1: the multiplication and its result. Line 2: the first number plus "
+                "that result.",
+    "reorder": "Rewrite a + b × c as b × c + a. Compute b × c, then add a.",
 }
 
 
@@ -100,7 +107,9 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max_tokens", type=int, default=128)
     ap.add_argument("--crm_rows", type=int, default=40, help="templated successes whose tokens are ratioed, a template")
-    ap.add_argument("--reflections", type=int, default=8, help="Self-Ref proposals asked of the model")
+    ap.add_argument("--reflections", type=int, default=8, help="Self-Ref proposals asked of the model (0: none)")
+    ap.add_argument("--templates", default="plain,order,steps,pattern", help="which of TEMPLATES, comma-separated")
+    ap.add_argument("--tag", default="", help="a suffix of the output files (a pilot round)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -118,8 +127,8 @@ def main(argv=None):
     path = resolve_model(cfg.model)
     problems = [p for p in load_jsonl(f"builtin-{args.split}")[0] if p.source == "builtin/two_step"]
     engine = make_rollout("vllm", path, dtype=cfg.engine_dtype, seed=args.seed, max_model_len=2048, kv_cache_gib=2)
-    reflections = self_ref_proposals(engine, problems, cfg, args)
-    templates = dict(TEMPLATES)
+    reflections = self_ref_proposals(engine, problems, cfg, args) if args.reflections else []
+    templates = {name: TEMPLATES[name] for name in args.templates.split(",")}
     templates.update({f"self_ref_{i}": r["template"] for i, r in enumerate(reflections) if r["template"]})
     sets = answer_sets(engine, [(problems, t, args.k) for t in templates.values()], temperature=args.temperature,
                        max_tokens=args.max_tokens, progress=True, seed=args.seed, reward=cfg.reward)
@@ -151,11 +160,12 @@ def main(argv=None):
                             "example": successes[0][1] if successes else None}
         out["templates"][name] = entry
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, f"pilot-{args.split}.json"), "w") as f:
+    stem = os.path.join(OUT, f"pilot-{args.split}" + (f"-{args.tag}" if args.tag else ""))
+    with open(stem + ".json", "w") as f:
         json.dump(out, f, indent=1, ensure_ascii=False)
     lines = [f"# Strategy-template pilot: {len(problems)} two_step problems ({args.split}), k = {args.k}, "
              f"T = {args.temperature}", "", "Written by `python experiments/strategy_pilot.py "
-             f"--split={args.split} --k={args.k}`; descriptive, tests nothing.", "",
+             + " ".join(argv if argv is not None else sys.argv[1:]) + "`; descriptive, tests nothing.", "",
              "| template | avg@k | pass@k | greedy | successes / samples (Wilson 95%, pooled) | CRM: masked tokens "
              "of templated successes | rows with one |", "|---|---|---|---|---|---|---|"]
     for name, e in out["templates"].items():
@@ -172,7 +182,7 @@ def main(argv=None):
     for name, e in out["templates"].items():
         if e.get("crm"):
             lines.append(f"- {name}: {e['crm']['dropped'] or 'none'}; a success: {e['crm']['example']!r}")
-    with open(os.path.join(OUT, f"pilot-{args.split}.md"), "w") as f:
+    with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

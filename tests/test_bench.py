@@ -264,3 +264,17 @@ def test_packing_bench_counts_the_reviews_example_and_the_default_runs_groups():
     assert training[0][1:] == training[1][1:] and training[0][2] == "0.0%"
     assert crm[0][2] != "0.0%" and crm[1][2] == "0.0%" and crm[1][-2:] == ["0", "(0.0%)"]
     assert int(crm[1][3].replace(",", "")) < int(crm[0][3].replace(",", ""))
+
+
+def test_objectives_bench_runs_small(tiny_model):
+    """bench/objectives.py on the tiny model: every objective and correction updates the same step, and each arm's
+    line has its median and its ratio to its own baseline (1 for the baselines themselves)."""
+    proc = subprocess.run([sys.executable, "bench/objectives.py", f"--model={tiny_model}", "--rounds=1", "--groups=2",
+                           "--k=3", "--prompt=6", "--template=3", "--response=5"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = {m.group(1).strip(): float(m.group(3)) for m in
+             re.finditer(r"^(\S+( \(crm off\))?)\s+\d+\.\d+\s+(\d+\.\d{3})", proc.stdout, re.M)}
+    assert set(lines) == {"ppo", "gspo_token", "cispo", "ppo+token_mask", "ppo+icepop", "ppo+seq_tis", "ppo+geo_mask",
+                          "ppo (crm off)", "gspo (crm off)"}, proc.stdout
+    assert lines["ppo"] == lines["ppo (crm off)"] == 1.0
