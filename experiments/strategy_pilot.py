@@ -100,6 +100,55 @@ def self_ref_proposals(engine, problems, cfg, args):
     return out
 
 
+def template_entry(template, problems, records, model, tokenizer, cfg, args):
+    """One template's numbers: avg@k, pass@k, greedy, each problem's successes, and (templated) the CRM on its
+    successes."""
+    solved = [sum(r > 0 for r in rec["sampled"]["rewards"]) for rec in records]
+    entry = {"template": template, "avg": statistics.mean(s / args.k for s in solved),
+             "pass": statistics.mean(s > 0 for s in solved),
+             "greedy": statistics.mean(rec["rewards"][0] > 0 for rec in records), "successes": sum(solved),
+             "samples": args.k * len(records), "per_problem": dict(zip([p.id for p in problems], solved)),
+             "wilson_pooled": wilson(sum(solved), args.k * len(records))}
+    if template:
+        successes = [(p, text) for p, rec in zip(problems, records)
+                     for text, r in zip(rec["sampled"]["responses"], rec["sampled"]["rewards"]) if r > 0]
+        masked, tokens, rows_with_mask, dropped = 0, 0, 0, collections.Counter()
+        for p, text in successes[:args.crm_rows]:
+            ratios = crm_of(model, tokenizer, p, text, template, cfg)
+            masked += sum(m for _, m in ratios)
+            tokens += len(ratios)
+            rows_with_mask += any(m for _, m in ratios)
+            dropped.update(t for t, m in ratios if m)
+        entry["crm"] = {"rows": min(len(successes), args.crm_rows), "tokens": tokens, "masked_tokens": masked,
+                        "rows_with_a_masked_token": rows_with_mask, "dropped": dropped.most_common(15),
+                        "example": successes[0][1] if successes else None}
+    return entry
+
+
+def report_lines(out, argv):
+    """pilot-<split>[-<tag>].md's lines from the JSON's dict."""
+    lines = [f"# Strategy-template pilot: {out['problems']} two_step problems ({out['split']}), k = {out['k']}, "
+             f"T = {out['temperature']}", "", "Written by `python experiments/strategy_pilot.py "
+             + " ".join(argv if argv is not None else sys.argv[1:]) + "`; descriptive, tests nothing.", "",
+             "| template | avg@k | pass@k | greedy | successes / samples (Wilson 95%, pooled) | CRM: masked tokens "
+             "of templated successes | rows with one |", "|---|---|---|---|---|---|---|"]
+    for name, e in out["templates"].items():
+        crm = e.get("crm")
+        lo, hi = e["wilson_pooled"]
+        lines.append(f"| {name}: {e['template'] or '(none)'} | {e['avg']:.3f} | {e['pass']:.3f} | {e['greedy']:.3f} | "
+                     f"{e['successes']} / {e['samples']} ({lo:.3f}, {hi:.3f}) | "
+                     + (f"{crm['masked_tokens']} / {crm['tokens']} | {crm['rows_with_a_masked_token']} / {crm['rows']}"
+                        if crm else "— | —") + " |")
+    lines += ["", f"What the model wrote when asked to reflect ({len(out['self_ref'])} Self-Ref prompts; "
+              "gepa.guard's verdict):", ""]
+    lines += [f"- {r['why']}: {r['reply'][:160]!r}" for r in out["self_ref"]]
+    lines += ["", "Tokens the mask drops most often, by template:", ""]
+    for name, e in out["templates"].items():
+        if e.get("crm"):
+            lines.append(f"- {name}: {e['crm']['dropped'] or 'none'}; a success: {e['crm']['example']!r}")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--split", default="train")
@@ -139,49 +188,12 @@ def main(argv=None):
            "max_tokens": args.max_tokens, "problems": len(problems), "templates": {}}
     out["self_ref"] = reflections
     for (name, template), records in zip(templates.items(), sets):
-        solved = [sum(r > 0 for r in rec["sampled"]["rewards"]) for rec in records]
-        entry = {"template": template, "avg": statistics.mean(s / args.k for s in solved),
-                 "pass": statistics.mean(s > 0 for s in solved), "greedy": statistics.mean(
-                     rec["rewards"][0] > 0 for rec in records), "successes": sum(solved),
-                 "samples": args.k * len(records), "per_problem": dict(zip([p.id for p in problems], solved)),
-                 "wilson_pooled": wilson(sum(solved), args.k * len(records))}
-        if template:
-            successes = [(p, text) for p, rec in zip(problems, records)
-                         for text, r in zip(rec["sampled"]["responses"], rec["sampled"]["rewards"]) if r > 0]
-            masked, tokens, rows_with_mask, dropped = 0, 0, 0, collections.Counter()
-            for p, text in successes[:args.crm_rows]:
-                ratios = crm_of(model, tokenizer, p, text, template, cfg)
-                masked += sum(m for _, m in ratios)
-                tokens += len(ratios)
-                rows_with_mask += any(m for _, m in ratios)
-                dropped.update(t for t, m in ratios if m)
-            entry["crm"] = {"rows": min(len(successes), args.crm_rows), "tokens": tokens, "masked_tokens": masked,
-                            "rows_with_a_masked_token": rows_with_mask, "dropped": dropped.most_common(15),
-                            "example": successes[0][1] if successes else None}
-        out["templates"][name] = entry
+        out["templates"][name] = template_entry(template, problems, records, model, tokenizer, cfg, args)
     os.makedirs(OUT, exist_ok=True)
     stem = os.path.join(OUT, f"pilot-{args.split}" + (f"-{args.tag}" if args.tag else ""))
     with open(stem + ".json", "w") as f:
         json.dump(out, f, indent=1, ensure_ascii=False)
-    lines = [f"# Strategy-template pilot: {len(problems)} two_step problems ({args.split}), k = {args.k}, "
-             f"T = {args.temperature}", "", "Written by `python experiments/strategy_pilot.py "
-             + " ".join(argv if argv is not None else sys.argv[1:]) + "`; descriptive, tests nothing.", "",
-             "| template | avg@k | pass@k | greedy | successes / samples (Wilson 95%, pooled) | CRM: masked tokens "
-             "of templated successes | rows with one |", "|---|---|---|---|---|---|---|"]
-    for name, e in out["templates"].items():
-        crm = e.get("crm")
-        lo, hi = e["wilson_pooled"]
-        lines.append(f"| {name}: {e['template'] or '(none)'} | {e['avg']:.3f} | {e['pass']:.3f} | {e['greedy']:.3f} | "
-                     f"{e['successes']} / {e['samples']} ({lo:.3f}, {hi:.3f}) | "
-                     + (f"{crm['masked_tokens']} / {crm['tokens']} | {crm['rows_with_a_masked_token']} / {crm['rows']}"
-                        if crm else "— | —") + " |")
-    lines += ["", f"What the model wrote when asked to reflect ({len(out['self_ref'])} Self-Ref prompts; "
-              "gepa.guard's verdict):", ""]
-    lines += [f"- {r['why']}: {r['reply'][:160]!r}" for r in out["self_ref"]]
-    lines += ["", "Tokens the mask drops most often, by template:", ""]
-    for name, e in out["templates"].items():
-        if e.get("crm"):
-            lines.append(f"- {name}: {e['crm']['dropped'] or 'none'}; a success: {e['crm']['example']!r}")
+    lines = report_lines(out, argv)
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
