@@ -41,6 +41,10 @@ TEMPLATES = {  # name -> text: a strategy, no answer, nothing specific to one pr
     "scaffold": "Answer in two lines. Line 1: the multiplication and its result. Line 2: the first number plus "
                 "that result.",
     "reorder": "Rewrite a + b × c as b × c + a. Compute b × c, then add a.",
+    # round 3, the add3 level (a + b + c): the same kind of strategy for a level the model half-solves
+    "pairwise": "Add the first two numbers, then add the third number to that sum.",
+    "pairwise_example": "Worked example: 11 + 12 + 13. First 11 + 12 = 23. Then 23 + 13 = 36. Do the same: add "
+                        "two numbers at a time.",
 }
 
 
@@ -127,7 +131,8 @@ def template_entry(template, problems, records, model, tokenizer, cfg, args):
 
 def report_lines(out, argv):
     """pilot-<split>[-<tag>].md's lines from the JSON's dict."""
-    lines = [f"# Strategy-template pilot: {out['problems']} two_step problems ({out['split']}), k = {out['k']}, "
+    level = out.get("level", "two_step")  # round 1's file predates --level
+    lines = [f"# Strategy-template pilot: {out['problems']} {level} problems ({out['split']}), k = {out['k']}, "
              f"T = {out['temperature']}", "", "Written by `python experiments/strategy_pilot.py "
              + " ".join(argv if argv is not None else sys.argv[1:]) + "`; descriptive, tests nothing.", "",
              "| template | avg@k | pass@k | greedy | successes / samples (Wilson 95%, pooled) | CRM: masked tokens "
@@ -152,6 +157,7 @@ def report_lines(out, argv):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--split", default="train")
+    ap.add_argument("--level", default="two_step", help="a level of data/builtin.py (its problems of the split)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max_tokens", type=int, default=128)
@@ -174,7 +180,7 @@ def main(argv=None):
     cfg = Config()
     cfg.engine_dtype, cfg.autocast_bf16, _ = cpu_precision(cfg, "cpu")  # the engine train.py would start
     path = resolve_model(cfg.model)
-    problems = [p for p in load_jsonl(f"builtin-{args.split}")[0] if p.source == "builtin/two_step"]
+    problems = [p for p in load_jsonl(f"builtin-{args.split}")[0] if p.source == f"builtin/{args.level}"]
     engine = make_rollout("vllm", path, dtype=cfg.engine_dtype, seed=args.seed, max_model_len=2048, kv_cache_gib=2)
     reflections = self_ref_proposals(engine, problems, cfg, args) if args.reflections else []
     templates = {name: TEMPLATES[name] for name in args.templates.split(",")}
@@ -184,7 +190,7 @@ def main(argv=None):
     del engine
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = {"model": cfg.model, "split": args.split, "k": args.k, "temperature": args.temperature,
+    out = {"model": cfg.model, "level": args.level, "split": args.split, "k": args.k, "temperature": args.temperature,
            "max_tokens": args.max_tokens, "problems": len(problems), "templates": {}}
     out["self_ref"] = reflections
     for (name, template), records in zip(templates.items(), sets):
