@@ -91,7 +91,7 @@ def self_ref_proposals(engine, problems, cfg, args):
     batches = [rng.sample(problems, cfg.gepa_minibatch) for _ in range(args.reflections)]
     asked = list({p.id: p for b in batches for p in b}.values())
     greedy = {r["id"]: r for r in answer_records(engine, asked, 0, max_tokens=cfg.max_tokens, progress=False,
-                                                 reward=cfg.reward)}
+                                                 prompt_format=cfg.prompt_format, reward=cfg.reward)}
     prompts = [gepa.reflection_prompt(cfg, "", b, [greedy[p.id]["responses"][0] for p in b],
                                       [greedy[p.id]["rewards"][0] for p in b]) for b in batches]
     reflector = EngineReflector(engine, temperature=cfg.reflect_temperature, max_tokens=cfg.reflect_max_tokens,
@@ -158,6 +158,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--split", default="train")
     ap.add_argument("--level", default="two_step", help="a level of data/builtin.py (its problems of the split)")
+    ap.add_argument("--prompt_format", default="default", help="default (the built-in task's few-shot turns) | "
+                    "official (no few-shot turns)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max_tokens", type=int, default=128)
@@ -177,7 +179,7 @@ def main(argv=None):
     from rollout import make_rollout
     from scoring import answer_sets
 
-    cfg = Config()
+    cfg = Config(prompt_format=args.prompt_format)
     cfg.engine_dtype, cfg.autocast_bf16, _ = cpu_precision(cfg, "cpu")  # the engine train.py would start
     path = resolve_model(cfg.model)
     problems = [p for p in load_jsonl(f"builtin-{args.split}")[0] if p.source == f"builtin/{args.level}"]
@@ -186,7 +188,8 @@ def main(argv=None):
     templates = {name: TEMPLATES[name] for name in args.templates.split(",")}
     templates.update({f"self_ref_{i}": r["template"] for i, r in enumerate(reflections) if r["template"]})
     sets = answer_sets(engine, [(problems, t, args.k) for t in templates.values()], temperature=args.temperature,
-                       max_tokens=args.max_tokens, progress=True, seed=args.seed, reward=cfg.reward)
+                       max_tokens=args.max_tokens, progress=True, seed=args.seed, prompt_format=args.prompt_format,
+                       reward=cfg.reward)
     del engine
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
