@@ -477,10 +477,10 @@ def check_objective(cfg):
     """--policy_loss with the loss settings it meets: each combination either has a defined meaning
     (docs/METHOD.md §3, "Objectives and sampler corrections") or is one line here."""
     try:
-        correction = grpo.parse_correction(cfg.sampler_correction)
+        correction = grpo.parse_correction(cfg.sampler_correction, cfg.tis_cap)
     except ValueError as e:
         raise SystemExit(f"--sampler_correction: {e}") from None
-    if correction and cfg.tis_cap:
+    if cfg.sampler_correction and cfg.tis_cap:
         raise SystemExit(f"--tis_cap={cfg.tis_cap:g} and --sampler_correction={cfg.sampler_correction}: one correction "
                          f"at a time (--tis_cap=C is --sampler_correction=token_tis:C)")
     loss = cfg.policy_loss
@@ -491,7 +491,7 @@ def check_objective(cfg):
                          "pi_old(y|x~) over its tokens; use --policy_loss=ppo or --fix_importance_ratio=False")
     if loss in grpo.SEQUENCE_RATIO:
         distills = cfg.crm and cfg.context_distill and (cfg.algo == "p2o" or cfg.fixed_template)
-        level = "token" if cfg.tis_cap else grpo.SAMPLER_CORRECTIONS[correction[0]][2] if correction else None
+        level = grpo.SAMPLER_CORRECTIONS[correction[0]][2] if correction else None
         if distills or level == "token":
             what = "the Context Ratio Mask" if distills else \
                 f"a token-level correction ({cfg.sampler_correction or f'--tis_cap={cfg.tis_cap:g}'})"

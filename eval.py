@@ -62,9 +62,7 @@ def eval_context(model_path, problems, args, template="", chat_kwargs=None):
     the template, prompt format and chat-template arguments) plus --max_tokens, so that every
     answer may reach --max_tokens. A given context too short for that is an error, not a silent cut;
     so is a problem that does not fit the model's positions with --max_tokens (named)."""
-    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer  # lazy: transformers takes seconds to import
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     lengths = [len(encode_prompt(tokenizer, problem_messages(p, template, fmt=args.prompt_format), chat_kwargs))

@@ -139,11 +139,16 @@ def clipped_surrogate(ratio, adv, eps_low, eps_high):
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def per_token(advantages):
+    """Advantages [B] (one per row) or [B, T] (per token) -> a tensor that broadcasts against [B, T]."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+
+
 def ppo_clip_token_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, dual_clip=0.0):
     """Per-token PPO-clip loss and where the clip was active. logp, old_logp [B, T]; advantages [B]
     (one per row) or [B, T] (per token: a row's A plus a method's per-token term) -> (loss [B, T],
     clipped [B, T] bool)."""
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
+    adv = per_token(advantages)  # [B, 1] or [B, T]
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
     loss, was_clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)
     if dual_clip > 0:
@@ -177,7 +182,7 @@ def gspo_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip):
     """GSPO (Zheng et al. 2025): one ratio a response, s_i = exp(mean_t log pi/pi_old), clipped per
     response; each token carries its response's loss, so seq-mean-token-mean gives mean_i of it. The
     gradient of s_i runs through every token of the response."""
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    adv = per_token(advantages)
     s = torch.exp(sequence_log_ratio(logp, old_logp, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, 1]
     return clipped_surrogate(s.expand_as(logp), adv, eps_low, eps_high)
 
@@ -193,7 +198,7 @@ def gspo_token_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_cl
 def cispo_loss(logp, old_logp, advantages, mask, eps_low, eps_high, dual_clip):
     """CISPO (MiniMax-M1, Chen et al. 2025): -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A log pi_t. The clipped
     weight is a coefficient, so a token beyond the clip keeps its gradient (bounded), unlike PPO's."""
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    adv = per_token(advantages)
     ratio = torch.exp((logp - old_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     return -adv * weight * logp, weight != ratio
@@ -266,10 +271,11 @@ SAMPLER_CORRECTIONS = {  # name -> (function, the band's values, the level it ac
 }
 
 
-def parse_correction(text):
-    """'token_mask:0.5,2' -> ('token_mask', (0.5, 2.0)); '' -> None. ValueError naming what is wrong."""
+def parse_correction(text, tis_cap=0.0):
+    """'token_mask:0.5,2' -> ('token_mask', (0.5, 2.0)); '' -> None, or ('token_tis', (tis_cap,)) with tis_cap > 0
+    (--tis_cap=C is token_tis:C). ValueError naming what is wrong."""
     if not text:
-        return None
+        return ("token_tis", (tis_cap,)) if tis_cap > 0 else None
     name, _, band = text.partition(":")
     if name not in SAMPLER_CORRECTIONS:
         raise ValueError(f"the correction is one of {' | '.join(SAMPLER_CORRECTIONS)}, got {name!r}")
@@ -355,9 +361,9 @@ def policy_loss(logp, old_logp, advantages, mask, denominators, *, eps_low=0.2, 
     weight = crm_weight
     sums = {"clipped_tokens": (clipped & mask).sum().item(), "mismatch_tokens": 0, "mismatch_abs_sum": 0.0,
             "mismatch_abs_max": 0.0}
-    correction = correction or (("token_tis", (tis_cap,)) if tis_cap > 0 else None)
+    correction = correction or parse_correction("", tis_cap)
     if sampler_logp is not None:
-        fix, known = mismatch_sums(old_logp, sampler_logp, sampler_mask, correction, sums)
+        fix = mismatch_sums(old_logp, sampler_logp, sampler_mask, correction, sums)
         if fix is not None:  # the rollouts came from the engine, not from pi_old
             weight = fix if weight is None else weight * fix
     m = mask.to(logp.dtype)
@@ -377,11 +383,11 @@ def mismatch_sums(old_logp, sampler_logp, known, correction, sums):
                 mismatch_k1_sum=-on.sum().item(), mismatch_k3_sum=(k3.exp() - 1 - k3).sum().item(),
                 trainer_nll_sum=-old_logp[known].sum().item(), sampler_nll_sum=-sampler_logp[known].sum().item())
     if correction is None:
-        return None, known
+        return None
     fn = SAMPLER_CORRECTIONS[correction[0]][0]
     weight, touched = fn(d, known, correction[1])
     sums.update(corrected_tokens=(touched & known).sum().item(), corrected_seqs=(touched & known).any(1).sum().item())
-    return weight, known
+    return weight
 
 
 def scatter_rows(values, mask, fill=0.0):

@@ -701,19 +701,15 @@ def sampler_mismatch(sums, cfg):
     --tis_cap) the share of those tokens and responses it truncated or dropped. NaN on a step that
     measured no token."""
     n, get = sums["mismatch_tokens"], lambda key: sums.get(key, 0)
-    if not n:
-        names = ["sampler_mismatch_mean", "sampler_mismatch_max", "sampler_stale", "sampler_kl_k1", "sampler_kl_k3",
-                 "trainer_ppl", "sampler_ppl"]
-        names += ["corrected_token_fraction", "corrected_seq_fraction"] if cfg.sampler_correction or cfg.tis_cap else []
-        return dict.fromkeys(names, float("nan"))
-    out = {"sampler_mismatch_mean": sums["mismatch_abs_sum"] / n, "sampler_mismatch_max": sums["mismatch_abs_max"],
-           "sampler_stale": float(sums["mismatch_abs_sum"] / n > sampler_mismatch_bound(cfg)),
-           "sampler_kl_k1": get("mismatch_k1_sum") / n, "sampler_kl_k3": get("mismatch_k3_sum") / n,
-           "trainer_ppl": math.exp(get("trainer_nll_sum") / n), "sampler_ppl": math.exp(get("sampler_nll_sum") / n)}
+    per = max(n, 1)  # no token measured: every field NaN, below
+    out = {"sampler_mismatch_mean": sums["mismatch_abs_sum"] / per, "sampler_mismatch_max": sums["mismatch_abs_max"],
+           "sampler_stale": float(sums["mismatch_abs_sum"] / per > sampler_mismatch_bound(cfg)),
+           "sampler_kl_k1": get("mismatch_k1_sum") / per, "sampler_kl_k3": get("mismatch_k3_sum") / per,
+           "trainer_ppl": math.exp(get("trainer_nll_sum") / per), "sampler_ppl": math.exp(get("sampler_nll_sum") / per)}
     if cfg.sampler_correction or cfg.tis_cap:
-        out.update(corrected_token_fraction=get("corrected_tokens") / n,
+        out.update(corrected_token_fraction=get("corrected_tokens") / per,
                    corrected_seq_fraction=get("corrected_seqs") / max(1, get("mismatch_seqs")))
-    return out
+    return out if n else dict.fromkeys(out, float("nan"))
 
 
 def step_metrics(state, groups, update, info, lr, cfg, terms=()):

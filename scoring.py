@@ -122,7 +122,8 @@ def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progre
     every = [p for problems, _, _ in sets for p in problems]
     ks = [k for (problems, _, k) in sets for _ in problems]
     sampled = [(m, k) for m, k in zip(flat, ks) if k]
-    out = engine.generate([m for m, _ in sampled] + flat, n=[k for _, k in sampled] + [1] * len(flat),
+    requests = [m for m, _ in sampled] + flat  # the k samples' prompts, then every prompt's greedy one
+    out = engine.generate(requests, n=[k for _, k in sampled] + [1] * len(flat),
                           temperature=[temperature] * len(sampled) + [0.0] * len(flat), top_p=top_p,
                           max_tokens=max_tokens, progress=progress, seed=seed)
     samples, greedy = iter(out[:len(sampled)]), iter(out[len(sampled):])
@@ -136,7 +137,7 @@ def answer_sets(engine, sets, temperature=0.6, top_p=1.0, max_tokens=256, progre
         asked = [p for p, k in zip(every, ks) if k] + every  # the problem of each engine request, in order
         raise ScoringError(str(e), [{"id": p.id, "answer": p.answer, "greedy": i >= len(sampled),
                                      "prompt": m[-1]["content"], "responses": [s.text for s in group]}
-                                    for i, (p, m, group) in enumerate(zip(asked, [m for m, _ in sampled] + flat, out))]
+                                    for i, (p, m, group) in enumerate(zip(asked, requests, out))]
                            ) from e
     return records
 

@@ -72,7 +72,8 @@ from rollout import Sample, check_fit, greedy_answers, load_models, make_reflect
 from runs import (DISK_ERRORS, RunLog, StopSignal, budget_spent, check_run_folder, checkpoint, console_line,
                   dev_eval, export, fields_of, forward_tokens, generated_tokens, link_checkpoint, load_rank_state,
                   loss_note, method_metrics, pointer_target, print_summary, quiet_disk_errors, restore_trainer,
-                  resume_point, route_library_logs, sampler_mismatch_bound, shaping_metrics, start_branch, step_metrics, time_summary, warmup_factor)
+                  resume_point, route_library_logs, sampler_mismatch_bound, shaping_metrics, start_branch,
+                  step_metrics, time_summary, warmup_factor)
 from scoring import ScoringError
 from verify import RewardError, reward_scorer, take_failures
 
@@ -483,8 +484,8 @@ def micro_batch_loss(policy, b, cfg, part, terms, with_entropy, coefs=None):
     loss, sums = grpo.policy_loss(
         logp, old_logp, b.advantages, rollout, part.denominators, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg, max_len=cfg.max_tokens, crm_weight=b.crm_weight,
-        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask & rollout, tis_cap=cfg.tis_cap,
-        objective=cfg.policy_loss, correction=grpo.parse_correction(cfg.sampler_correction))
+        sampler_logp=b.sampler_logp, sampler_mask=b.sampler_mask & rollout, objective=cfg.policy_loss,
+        correction=grpo.parse_correction(cfg.sampler_correction, cfg.tis_cap))
     sums = Counter(sums, loss_policy=loss.item())
     for term in terms:
         if b.dummy or not b.of_kind(term.kind).any():  # none of its rows here (their share would be 0)
@@ -730,7 +731,8 @@ class Run:
 
 def start_run(cfg, data, resume_path, saved, engine, reward_fn, reflector, context=None):
     """Join the process group, make the run folder, load the models for `data` (load_data's sets;
-    `context`: vLLM's, as check_fit measured it), build the optimizer and put back a checkpoint's state (resume_point read it) -> Run."""
+    `context`: vLLM's, as check_fit measured it), build the optimizer and put back a checkpoint's
+    state (resume_point read it) -> Run."""
     started = time.perf_counter()
     # a day: in a GEPA round the other ranks wait while rank 0 reflects
     rank, world, device = dist.setup(pick_device(cfg.device).type, timeout_minutes=24 * 60)
