@@ -7,7 +7,7 @@
 The answer-format instruction belongs to the original user text, never to the template, so an
 evolved template cannot break answer extraction (docs/METHOD.md §2). With `fewshot=True` three worked
 one-step examples come first as earlier chat turns: the 135M default model almost never writes
-\\boxed{} otherwise (measured: docs/TASKS.md, "Default model and data"). They are used for the shipped tasks only (built-in and fictional units; `problem_messages`).
+\\boxed{} otherwise (measured: docs/TASKS.md, "Default model and data"). They are used for the shipped tasks only (built-in, fictional units, subtraction; `problem_messages`).
 
 Two prompt formats (`fmt`, train.py's --prompt_format):
     default   "<problem>\nPut the final answer in \\boxed{}."      (+ the few-shot turns for built-in rows)
@@ -19,6 +19,7 @@ FORMAT_INSTRUCTION = "Put the final answer in \\boxed{}."
 OFFICIAL_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 FORMATS = ("default", "official")
 
+FEWSHOT_SOURCES = ("builtin", "fictional", "subtract")  # the shipped tasks (data/): their rows get FEWSHOT
 FEWSHOT = [  # (question, worked answer); no built-in problem repeats these (data/builtin.py)
     ("What is 2 + 3?", "2 + 3 = 5. The answer is \\boxed{5}."),
     ("What is 4 × 2?", "4 × 2 = 8. The answer is \\boxed{8}."),
@@ -54,7 +55,7 @@ def build_messages(problem, template="", fewshot=False, fmt="default"):
 def problem_messages(p, template="", fmt="default"):
     """Messages for a data row (data.Problem): the few-shot turns are part of the built-in
     task's default prompt format only, so rows from other sources (or the official format) get none."""
-    fewshot = fmt == "default" and bool(p.source) and p.source.startswith(("builtin", "fictional"))
+    fewshot = fmt == "default" and bool(p.source) and p.source.startswith(FEWSHOT_SOURCES)
     return build_messages(p.problem, template, fewshot, fmt)
 
 

@@ -12,6 +12,7 @@ Schema (one line of a .jsonl file):
 Names accepted wherever a data file is asked for:
     builtin-train, builtin-dev, builtin-test   -> data/builtin/{split}.jsonl (shipped)
     fictional-train, fictional-dev, ...         -> data/fictional/{split}.jsonl (shipped; made-up units)
+    subtract-train, subtract-heldout, ...       -> data/subtract/{split}.jsonl (shipped; the strategy task)
     aime24, math500, ...                       -> data/public/{name}.jsonl (made by data/prep.py)
     anything else                              -> a path to a .jsonl file
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = ("id", "problem", "answer")
 OPTIONAL = ("solution", "source")
-SHIPPED = ("builtin", "fictional")  # tasks shipped under data/<task>/ (data/builtin.py, data/fictional.py)
+SHIPPED = ("builtin", "fictional", "subtract")  # tasks shipped under data/<task>/ (data/<task>.py)
 PREP_HINT = "; convert the file with data/prep.py (--problem/--answer/--id map its columns)"
 
 

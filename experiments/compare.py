@@ -91,6 +91,7 @@ BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
 CONFIRM_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs/PREREGISTRATION.md
 CONFIRM_SEEDS = tuple(range(100, 114))  # new seeds: 0-4 made the hypothesis (14 an arm: Deviation 1)
 CONFIRM_CONTROL_SEEDS = tuple(range(100, 118))
+STRATEGY_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # the subtraction task (issue 54)
 FIVE_SEEDS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill", "sft_gold", "p2o_human_crm_low",
               "p2o_human_crm_soft", "p2o_self_official")  # fictional: the arms run on five seeds
 TASKS = {
@@ -121,6 +122,12 @@ TASKS = {
                     prereg="docs/PREREGISTRATION.md", noise="results/compare/scoring-noise/fictional.json",
                     crm_probe=("How many snigs are in 2 plonks?",
                                "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
+    # Evidence v4 (issue 54): a template that carries a procedure (a negative result's sign), not a fact; the
+    # positive problems keep GRPO (K) learning. Not among the default tasks
+    "subtract": Task("subtract-train", "subtract-dev", "subtract-test", "data/subtract/strategy.txt", STRATEGY_ARMS,
+                     budget=30_000, heldout="subtract-heldout", templated=True, score_best=False,
+                     greedy_only=("test", "heldout_templated"), gold="heldout", fact="-",
+                     crm_probe=("What is 24 − 29?", "29 − 24 = 5, so 24 − 29 = -5. The answer is \\boxed{-5}.")),
 }
 DEFAULT_TASKS = ("natural", "fictional")  # what compare.py runs without --tasks
 SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
@@ -209,7 +216,7 @@ def train_run(run_dir, settings, budget, model, seed):
     os.makedirs(run_dir, exist_ok=True)
     t = time.perf_counter()
     with open(os.path.join(run_dir, "console.log"), "a") as log:
-        log.write(f"\n$ python train.py {' '.join(flags)}\n")
+        log.write(f"\n# code at commit {code_commit()}\n$ python train.py {' '.join(flags)}\n")
         log.flush()
         proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -224,6 +231,16 @@ def train_run(run_dir, settings, budget, model, seed):
     if code:
         raise SystemExit(f"{run_dir}: train.py exited {code}; see {run_dir}/console.log (rerun to resume)")
     return seconds
+
+
+def code_commit():
+    """The commit of the code this process runs ("+changes" when the checkout differs from it): console.log
+    records it for every train.py process of a run, result.json for its scoring."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results") else "")
 
 
 def add_train_seconds(run_dir, seconds):
@@ -382,7 +399,7 @@ def finish_run(run_dir, arm, seed, settings, budget, wall, scorer, sets, answers
     last = metrics[-1] if metrics else {}
     settings = {k: repo_relative(v) for k, v in settings.items()}
     test = {"final": scores["final"]["test"], "best": scores.get("best", scores["final"])["test"]}
-    result = {"arm": arm, "seed": seed, "settings": settings, "budget": budget,
+    result = {"arm": arm, "seed": seed, "settings": settings, "budget": budget, "scored_at_commit": code_commit(),
               "generated_tokens": last.get("generated_tokens", 0), "steps": last.get("step", 0),
               "train_seconds": wall, "score_seconds": score_seconds, "scored_as": scored_as,
               "final_checkpoint": os.path.basename(final), "best_checkpoint": os.path.basename(best),

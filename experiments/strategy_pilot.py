@@ -28,6 +28,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 OUT = os.path.join(ROOT, "results", "strategy_pilot")
+from data.subtract import STRATEGY  # noqa: E402
 TEMPLATES = {  # name -> text: a strategy, no answer, nothing specific to one problem
     "plain": "",
     "order": "Do the multiplication first, then the addition.",
@@ -45,6 +46,11 @@ TEMPLATES = {  # name -> text: a strategy, no answer, nothing specific to one pr
     "pairwise": "Add the first two numbers, then add the third number to that sum.",
     "pairwise_example": "Worked example: 11 + 12 + 13. First 11 + 12 = 23. Then 23 + 13 = 36. Do the same: add "
                         "two numbers at a time.",
+    # round 5, the subtraction task (data/subtract.py): a negative result's procedure, conditional (the task's
+    # seed template), unconditional, and shown on a problem no split has (its numbers are no answer of the task)
+    "sub_strategy": STRATEGY,
+    "sub_schema": "Answer like this: (bigger) − (smaller) = (difference), so the answer is \\boxed{-difference}.",
+    "sub_example": "Example: What is 20 − 31?\n31 − 20 = 11, so 20 − 31 = -11. The answer is \\boxed{-11}.",
 }
 
 
@@ -132,7 +138,7 @@ def template_entry(template, problems, records, model, tokenizer, cfg, args):
 def report_lines(out, argv):
     """pilot-<split>[-<tag>].md's lines from the JSON's dict."""
     level = out.get("level", "two_step")  # round 1's file predates --level
-    lines = [f"# Strategy-template pilot: {out['problems']} {level} problems ({out['split']}), k = {out['k']}, "
+    lines = [f"# Strategy-template pilot: {out['problems']} {out.get('task', 'builtin')} {level} problems ({out['split']}), k = {out['k']}, "
              f"T = {out['temperature']}", "", "Written by `python experiments/strategy_pilot.py "
              + " ".join(argv if argv is not None else sys.argv[1:]) + "`; descriptive, tests nothing.", "",
              "| template | avg@k | pass@k | greedy | successes / samples (Wilson 95%, pooled) | CRM: masked tokens "
@@ -157,7 +163,9 @@ def report_lines(out, argv):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--split", default="train")
-    ap.add_argument("--level", default="two_step", help="a level of data/builtin.py (its problems of the split)")
+    ap.add_argument("--task", default="builtin", help="a shipped task (builtin | subtract): its <task>-<split> set")
+    ap.add_argument("--level", default="two_step", help="the split's problems of this level (source <task>/<level>), "
+                    "or 'all'")
     ap.add_argument("--prompt_format", default="default", help="default (the built-in task's few-shot turns) | "
                     "official (no few-shot turns)")
     ap.add_argument("--k", type=int, default=8)
@@ -182,7 +190,8 @@ def main(argv=None):
     cfg = Config(prompt_format=args.prompt_format)
     cfg.engine_dtype, cfg.autocast_bf16, _ = cpu_precision(cfg, "cpu")  # the engine train.py would start
     path = resolve_model(cfg.model)
-    problems = [p for p in load_jsonl(f"builtin-{args.split}")[0] if p.source == f"builtin/{args.level}"]
+    problems = [p for p in load_jsonl(f"{args.task}-{args.split}")[0]
+                if args.level == "all" or p.source.endswith("/" + args.level)]
     engine = make_rollout("vllm", path, dtype=cfg.engine_dtype, seed=args.seed, max_model_len=2048, kv_cache_gib=2)
     reflections = self_ref_proposals(engine, problems, cfg, args) if args.reflections else []
     templates = {name: TEMPLATES[name] for name in args.templates.split(",")}
@@ -193,7 +202,8 @@ def main(argv=None):
     del engine
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = {"model": cfg.model, "level": args.level, "split": args.split, "k": args.k, "temperature": args.temperature,
+    out = {"model": cfg.model, "task": args.task, "level": args.level, "split": args.split, "k": args.k,
+           "temperature": args.temperature,
            "max_tokens": args.max_tokens, "problems": len(problems), "templates": {}}
     out["self_ref"] = reflections
     for (name, template), records in zip(templates.items(), sets):

@@ -2,14 +2,15 @@
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
 from data import DataError, load_jsonl, resolve_data
-from data import fictional
+from data import fictional, subtract
 from gepa import read_seed_templates
 from data.builtin import LEVELS, make_splits
-from prompts import FEWSHOT
+from prompts import FEWSHOT, FORMAT_INSTRUCTION, problem_messages
 
 GOOD = {"id": "a", "problem": "What is 1 + 1?", "answer": "2"}
 
@@ -64,6 +65,7 @@ def test_missing_and_empty_files(tmp_path):
 def test_names_resolve():
     assert resolve_data("builtin-dev").endswith("data/builtin/dev.jsonl")
     assert resolve_data("fictional-test").endswith("data/fictional/test.jsonl")
+    assert resolve_data("subtract-heldout").endswith("data/subtract/heldout.jsonl")
     assert resolve_data("aime24").endswith("data/public/aime24.jsonl")
     assert resolve_data("some/file.jsonl") == "some/file.jsonl"
 
@@ -124,3 +126,26 @@ def test_fictional_units_splits_share_facts_never_problems_and_facts_never_hold_
     numbers = {int(x) for x in re.findall(r"\d+", open(path).read())}
     assert numbers == {13}
     assert not numbers & {int(p.answer) for rows in splits.values() for p in rows}  # no answer in a template
+
+
+def test_subtraction_splits_are_disjoint_correct_and_the_strategy_holds_no_number():
+    splits = {name: load_jsonl(f"subtract-{name}")[0] for name in ("train", "dev", "test", "heldout")}
+    assert subtract.make_splits(seed=0) == splits  # the shipped files are reproducible
+    sizes = {name: Counter(p.source for p in rows) for name, rows in splits.items()}
+    assert sizes == {"train": {"subtract/neg": 40, "subtract/pos": 20}, "dev": {"subtract/neg": 5, "subtract/pos": 5},
+                     "test": {"subtract/neg": 20, "subtract/pos": 10}, "heldout": {"subtract-heldout/neg": 45}}
+    problems = [p.problem for rows in splits.values() for p in rows]
+    assert len(set(problems)) == len(problems) == 145  # no problem in two splits
+    operands = {}
+    for name, rows in splits.items():
+        for p in rows:  # an independent solver, and the level its sign says
+            a, b = map(int, re.fullmatch(r"What is (\d+) − (\d+)\?", p.problem).groups())
+            assert int(p.answer) == a - b and 0 < abs(a - b) <= 9
+            assert p.source.endswith("/neg" if a < b else "/pos")
+            operands.setdefault(name, set()).update((a, b))
+    assert max(operands["train"] | operands["dev"] | operands["test"]) <= 20 < min(operands["heldout"])
+    assert Counter(p.answer for p in splits["heldout"]) == {str(-d): 5 for d in range(1, 10)}  # no answer above 1/9
+    path = resolve_data("subtract-train").replace("train.jsonl", "strategy.txt")
+    assert read_seed_templates(path, 300) == [subtract.STRATEGY]
+    assert not re.search(r"\d", subtract.STRATEGY)  # a procedure: no number, so no answer, in the template
+    assert problem_messages(splits["heldout"][0])[0] == {"role": "user", "content": "What is 2 + 3?\n" + FORMAT_INSTRUCTION}

@@ -1,0 +1,93 @@
+"""The strategy task: one-step subtractions, half of whose results are below zero.
+
+    python data/subtract.py        # rewrite data/subtract/{train,dev,test,heldout}.jsonl and strategy.txt
+
+"What is 13 − 17?" The shipped 135M model answers subtractions whose result is positive but
+almost never one whose result is negative: it writes "13 − 17 = 4" or "= 0" (measured:
+results/strategy_pilot/). A short template that carries a procedure, not a fact, lifts it: work
+out the bigger number minus the smaller, then put a minus sign on the difference (strategy.txt,
+the Human-Ref seed template). The template holds no number and no answer; the model still has
+to compute every difference itself. This is the task on which P²O's claim can be tested: the
+hard prompts (negative results) are all-fail for GRPO, and a template unlocks them
+(docs/EVIDENCE.md). The positive problems keep GRPO learning, so the control is a trained
+policy, not the untrained model.
+
+Problems: a − b with a ≠ b, both in 1..20 and |a − b| <= 9; 135 with a negative result (level
+`neg`) and 135 with a positive one (`pos`), dealt out seeded: train 40 neg + 20 pos, dev 5 + 5,
+test 20 + 10. The held-out split: 45 negative problems whose operands are 21..40, five for
+each difference 1..9, so no held-out problem shares an operand with a training problem and no
+single answer is right on more than a ninth of them (the answers, -1..-9, are those of training:
+the procedure is what transfers, not an answer).
+"""
+
+import argparse
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data import DATA_DIR, Problem, write_jsonl  # noqa: E402
+
+STRATEGY = ("When the second number is bigger, the result is below zero: work out (bigger) − (smaller) = "
+            "(difference), and the answer is \\boxed{-difference}.")
+SPLITS = {"train": {"neg": 40, "pos": 20}, "dev": {"neg": 5, "pos": 5}, "test": {"neg": 20, "pos": 10}}
+HELDOUT_PER_DIFF = 5  # held-out negative problems (operands 21..40) for each difference 1..9
+MAX_DIFF = 9
+
+
+def pairs(low, high, sign):
+    """(a, b) with low <= a, b <= high, 1 <= |a - b| <= MAX_DIFF and the sign of a - b, in a fixed order."""
+    return [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)
+            if 0 < abs(a - b) <= MAX_DIFF and (a - b > 0) == (sign > 0)]
+
+
+def problem(a, b, split, i):
+    level = "neg" if a < b else "pos"
+    kind = "subtract-heldout" if split == "heldout" else "subtract"
+    d = abs(a - b)
+    solution = (f"{b} − {a} = {d}, so {a} − {b} = {a - b}." if a < b else f"{a} − {b} = {d}.")
+    return Problem(id=f"subtract-{split}-{level}-{i:04d}", problem=f"What is {a} − {b}?", answer=str(a - b),
+                   solution=solution, source=f"{kind}/{level}")
+
+
+def make_splits(seed=0):
+    """{split: [Problem]}: each level's pool shuffled and dealt out by SPLITS, plus the held-out split."""
+    rng = random.Random(seed)
+    pools = {"neg": pairs(1, 20, -1), "pos": pairs(1, 20, +1)}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    taken = {level: 0 for level in pools}
+    splits = {}
+    for name, sizes in SPLITS.items():
+        rows = []
+        for level, n in sizes.items():
+            rows += [problem(a, b, name, j)
+                     for j, (a, b) in enumerate(pools[level][taken[level]:taken[level] + n])]
+            taken[level] += n
+        splits[name] = rows
+    far = []  # as many of each difference, so that no one answer scores more than 1/9 of the split
+    for d in range(1, MAX_DIFF + 1):
+        same = [(a, b) for a, b in pairs(21, 40, -1) if b - a == d]
+        far += rng.sample(same, HELDOUT_PER_DIFF)
+    splits["heldout"] = [problem(a, b, "heldout", i) for i, (a, b) in enumerate(far)]
+    return splits
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(DATA_DIR, "subtract"))
+    args = ap.parse_args()
+    for name, rows in make_splits(args.seed).items():
+        path = os.path.join(args.out, f"{name}.jsonl")
+        write_jsonl(path, rows)
+        print(f"wrote {len(rows)} problems to {path}")
+    path = os.path.join(args.out, "strategy.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Human-Ref seed template of the subtraction task: a procedure, no number (data/subtract.py)\n")
+        f.write(STRATEGY + "\n")
+    print(f"wrote the seed template to {path}")
+
+
+if __name__ == "__main__":
+    main()
