@@ -61,7 +61,7 @@ from plot import read_jsonl  # noqa: E402
 from runs import GENERATED, write_atomic  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import BASELINE, futile, read_problems, write_report  # noqa: E402
+from report import BASELINE, REGISTRATIONS, futile, read_problems, write_report  # noqa: E402
 
 
 @dataclass
@@ -91,7 +91,8 @@ BASELINES = ("grpo_k", "grpo_2k", "dapo", "p2o_self", "p2o_human")
 CONFIRM_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs/PREREGISTRATION.md
 CONFIRM_SEEDS = tuple(range(100, 114))  # new seeds: 0-4 made the hypothesis (14 an arm: Deviation 1)
 CONFIRM_CONTROL_SEEDS = tuple(range(100, 118))
-STRATEGY_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # the subtraction task (issue 54)
+STRATEGY_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs/PREREGISTRATION-v4.md
+STRATEGY_SEEDS = tuple(range(200, 210))  # new seeds: 0 and 1 were the training pilot
 FIVE_SEEDS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill", "sft_gold", "p2o_human_crm_low",
               "p2o_human_crm_soft", "p2o_self_official")  # fictional: the arms run on five seeds
 TASKS = {
@@ -122,11 +123,12 @@ TASKS = {
                     prereg="docs/PREREGISTRATION.md", noise="results/compare/scoring-noise/fictional.json",
                     crm_probe=("How many snigs are in 2 plonks?",
                                "2 plonks = 2 × 13 = 26 snigs. The answer is \\boxed{26}.")),
-    # Evidence v4 (issue 54): a template that carries a procedure (a negative result's sign), not a fact; the
-    # positive problems keep GRPO (K) learning. Not among the default tasks
+    # the v4 study (docs/PREREGISTRATION-v4.md): a template that carries a procedure (a negative result's sign),
+    # not a fact; the positive problems keep GRPO (K) learning. Not among the default tasks
     "subtract": Task("subtract-train", "subtract-dev", "subtract-test", "data/subtract/strategy.txt", STRATEGY_ARMS,
                      budget=30_000, heldout="subtract-heldout", templated=True, score_best=False,
                      greedy_only=("test", "heldout_templated"), gold="heldout", fact="-",
+                     seeds={arm: STRATEGY_SEEDS for arm in STRATEGY_ARMS}, prereg="docs/PREREGISTRATION-v4.md",
                      crm_probe=("What is 24 − 29?", "29 − 24 = 5, so 24 − 29 = -5. The answer is \\boxed{-5}.")),
 }
 DEFAULT_TASKS = ("natural", "fictional")  # what compare.py runs without --tasks
@@ -528,8 +530,8 @@ def run_all(out, plans, shared, model, scorer, keep_checkpoints=False, commit=Fa
         if os.path.exists(os.path.join(run_dir, "result.json")):
             continue
         if plan.task.prereg and futile(arm, [load_run(d) for d in finished_runs(out, task_name, arm)],
-                                       plan.task.seeds.get(arm)):
-            print(f"{task_name} / {arm}: stopped by the futility rule (docs/PREREGISTRATION.md)", flush=True)
+                                       plan.task.seeds.get(arm), REGISTRATIONS[plan.task.prereg].gepa_arms):
+            print(f"{task_name} / {arm}: stopped by the futility rule ({plan.task.prereg})", flush=True)
             continue
         print(f"{task_name} / {arm} / seed {seed}: training to {plan.budget:,} generated tokens", flush=True)
         settings = arm_settings(arm, plan.task, shared)
@@ -652,7 +654,8 @@ def write_reports(args, out, plans, explicit_seeds):
                  {task_name: sum(arm != BASELINE for arm in plan.arms) for task_name, plan in plans.items()},
                  {task_name: plan.task.contrasts for task_name, plan in plans.items()},
                  {task_name: ({arm: plan.task.seeds[arm] for arm in plan.task.arms}, plan.task.prereg,
-                              noise_rate(plan.task.noise))  # the registered plan, whatever --arms and --seeds say
+                              noise_rate(plan.task.noise) if plan.task.noise else None)  # the registered plan,
+                  # whatever --arms and --seeds say
                   for task_name, plan in plans.items() if plan.task.prereg})
 
 

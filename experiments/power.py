@@ -1,7 +1,9 @@
 """Power of the confirmatory study (docs/PREREGISTRATION.md), simulated from the committed
-five-seed runs of the exploratory comparison (results/compare/fictional).
+five-seed runs of the exploratory comparison (results/compare/fictional); and of the v4 study
+(docs/PREREGISTRATION-v4.md), from its training pilot (results/strategy_pilot/training).
 
-    python experiments/power.py      # -> results/confirm/power.md (and the table printed)
+    python experiments/power.py                     # -> results/confirm/power.md (and the table printed)
+    python experiments/power.py --study=subtract    # -> results/subtract/power.md
 
 Each simulated study draws every arm's per-seed outcomes from that arm's five committed seeds:
 a smoothed bootstrap (a committed seed, chosen uniformly, plus normal noise of sd = bandwidth x
@@ -35,10 +37,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # report.py reads plot.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import BASELINE as CONTROL, CONTRASTS  # noqa: E402  (the registered contrasts, one definition)
+from report import BASELINE as CONTROL, CONTRASTS, STRATEGY_CONTRASTS, STRATEGY_OUTCOMES  # noqa: E402
+# (the registered contrasts and outcomes, one definition)
 from stats import gatekeep, welch, write_lines  # noqa: E402
 
-PREDICTED = (+1,) * len(CONTRASTS)  # every contrast predicts > 0: unmasked distillation learns more
 FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested in this order (stats.gatekeep)
     "as pre-registered: the fact tokens' log-prob, then the whole answer's, then held-out avg@16 (serial gatekeeping)":
         ("probe fact-token log p", "probe response mean log p", "held-out avg@16"),
@@ -63,23 +65,47 @@ def committed(root="results/compare/fictional"):
     return out
 
 
-def draw(rng, values, picks, bandwidth, shrink_to=None, shrink=0.0):
+def pilot(root="results/strategy_pilot/training/subtract"):
+    """{outcome: {arm: [per-seed value]}} of the v4 study's registered outcomes (report.STRATEGY_OUTCOMES),
+    read from the training pilot's finished runs (seeds outside the study's)."""
+    arms = sorted({a for pair in STRATEGY_CONTRASTS for a in pair})
+    out = {name: {} for name, _, _ in STRATEGY_OUTCOMES}
+    for arm in arms:
+        for d in sorted(glob.glob(os.path.join(root, arm, "seed-*", "result.json"))):
+            result = json.load(open(d))
+            for name, value, _ in STRATEGY_OUTCOMES:
+                out[name].setdefault(arm, []).append(value(result))
+    return out
+
+
+def draw(rng, values, picks, bandwidth, shrink_to=None, shrink=0.0, sd=None):
     """One arm's simulated outcomes: its committed values at the drawn seeds `picks` plus normal
-    noise (module doc); shrink > 0 moves them that fraction of the way to shrink_to (the control's mean)."""
+    noise (module doc; sd: the noise's scale, default the arm's own sd); shrink > 0 moves them that
+    fraction of the way to shrink_to (the control's mean)."""
     v = np.asarray(values, dtype=np.float64)
-    x = v[picks] + rng.normal(0.0, bandwidth * v.std(ddof=1), len(picks))
+    x = v[picks] + rng.normal(0.0, bandwidth * (v.std(ddof=1) if sd is None else sd), len(picks))
     return x if shrink_to is None else x + shrink * (shrink_to - v.mean())
 
 
-def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.05, seed=0):
+def pooled_sd(values):
+    """The within-arm sd pooled over the arms ({arm: values}; arms with one value add nothing)."""
+    groups = [np.asarray(v, dtype=np.float64) for v in values.values() if len(v) > 1]
+    df = sum(len(g) - 1 for g in groups)
+    return float(np.sqrt(sum(((g - g.mean()) ** 2).sum() for g in groups) / df))
+
+
+def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.05, seed=0, contrasts=CONTRASTS,
+          pooled=False):
     """{outcome: per-contrast fraction of simulated studies that confirm it}: every outcome of a
     simulated seed comes from the same committed seed (their correlation kept); the outcomes are
     tested in the order given, each a family of the contrasts (stats.gatekeep: Holm within, the
-    next only when all of this one are confirmed)."""
+    next only when all of this one are confirmed); every contrast predicted > 0. pooled: the noise's
+    scale is the sd pooled over the arms (pooled_sd), for pilots with too few seeds an arm."""
     rng = np.random.default_rng(seed)
     outcomes = list(data)
     arms = list(data[outcomes[0]])
-    hits = np.zeros((len(outcomes), len(CONTRASTS)))
+    hits = np.zeros((len(outcomes), len(contrasts)))
+    predicted = (+1,) * len(contrasts)
     for _ in range(sims):
         picks = {arm: rng.integers(0, len(data[outcomes[0]][arm]), n_control if arm == CONTROL else n_arm)
                  for arm in arms}
@@ -87,13 +113,14 @@ def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.
         for outcome in outcomes:
             values = data[outcome]
             base = np.mean(values[CONTROL])
+            sd = pooled_sd(values) if pooled else None
             sample = {arm: draw(rng, values[arm], picks[arm], bandwidth, None if arm == CONTROL else base,
-                                0.0 if arm == CONTROL else shrink) for arm in arms}
-            tests += [welch(sample[a], sample[b]) for a, b in CONTRASTS]
-            ps.append([t["p"] for t in tests[-len(CONTRASTS):]])
-        signs = PREDICTED * len(outcomes)
-        right = [[np.sign(t["mean"]) == s for t, s in zip(tests[i:i + len(CONTRASTS)], PREDICTED)]
-                 for i in range(0, len(tests), len(CONTRASTS))]
+                                0.0 if arm == CONTROL else shrink, sd) for arm in arms}
+            tests += [welch(sample[a], sample[b]) for a, b in contrasts]
+            ps.append([t["p"] for t in tests[-len(contrasts):]])
+        signs = predicted * len(outcomes)
+        right = [[np.sign(t["mean"]) == s for t, s in zip(tests[i:i + len(contrasts)], predicted)]
+                 for i in range(0, len(tests), len(contrasts))]
         adjusted = [p for family_ps in gatekeep(ps, alpha, right) for p in family_ps]
         hits += np.reshape([p is not None and p <= alpha and np.sign(t["mean"]) == s
                             for p, t, s in zip(adjusted, tests, signs)], hits.shape)
@@ -105,12 +132,53 @@ def family(data, names):
     return {name: data[name] for name in names}
 
 
+def strategy_main(args):
+    """--study=subtract: the v4 study's power (docs/PREREGISTRATION-v4.md) from its training pilot."""
+    data = pilot()
+    designs = [tuple(int(x) for x in d.split(":")) for d in args.designs.split(",")]
+    contrasts = [f"{a} - {b}" for a, b in STRATEGY_CONTRASTS]
+    seeds = {arm: len(v) for arm, v in data[next(iter(data))].items()}
+    lines = ["# Power of the v4 study (simulated from its training pilot)", "",
+             f"`python experiments/power.py --study=subtract --sims={args.sims}`: Welch per contrast; Holm over the "
+             "four contrasts of an outcome at 0.05, the outcomes in the registered order, each only when all four of "
+             "the one before are confirmed with their predicted sign (stats.gatekeep). Each simulated run: one "
+             "pilot run of its arm at random plus normal noise; the pilot has " + ", ".join(
+                 f"{arm} {n}" for arm, n in seeds.items()) + " runs (seeds 0, 1), too few for an arm's own sd, so the "
+             "noise's sd is the within-arm sd pooled over the four arms, times the bandwidth (0.5: the smoothed "
+             "bootstrap of the earlier study; 1: twice that spread). Effect: as in the pilot, or every arm shrunk "
+             "halfway to the control. An assumption, said here: two seeds an arm measure neither an arm's mean nor "
+             "its spread well.", ""]
+    for outcome, values in data.items():
+        lines.append(f"- {outcome}: pilot runs, per arm: " + ", ".join(
+            f"{arm} " + " / ".join(f"{x:+.4f}" for x in v) for arm, v in values.items())
+            + f"; pooled within-arm sd {pooled_sd(values):.4f}")
+    lines += ["", "| runs per arm : control | bandwidth | effect | outcome | " + " | ".join(contrasts) + " |",
+              "|---|---|---|---|" + "---|" * len(contrasts)]
+    for n_arm, n_control in designs:
+        for bandwidth in (0.5, 1.0):
+            for shrink, label in ((0.0, "as in the pilot"), (0.5, "half")):
+                got = power(data, n_arm, n_control, args.sims, bandwidth, shrink, contrasts=STRATEGY_CONTRASTS,
+                            pooled=True)
+                for outcome, p in got.items():
+                    lines.append(f"| {n_arm} : {n_control} | {bandwidth:g} | {label} | {outcome} | "
+                                 + " | ".join(f"{x:.2f}" for x in p) + " |")
+                    print(lines[-1], flush=True)
+    write_lines(args.out or "results/subtract/power.md", lines + [""])
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", default="confirm", choices=("confirm", "subtract"),
+                    help="confirm: docs/PREREGISTRATION.md; subtract: docs/PREREGISTRATION-v4.md")
     ap.add_argument("--sims", type=int, default=2000)
-    ap.add_argument("--designs", default="10:14,12:16,14:18,16:20", help="seeds per arm:seeds of the control, ...")
-    ap.add_argument("--out", default="results/confirm/power.md")
+    ap.add_argument("--designs", default=None, help="seeds per arm:seeds of the control, ... (default: the study's)")
+    ap.add_argument("--out", default=None, help="default: results/<study>/power.md")
     args = ap.parse_args(argv)
+    if args.study == "subtract":
+        args.designs = args.designs or "6:6,8:8,10:10,12:12"
+        return strategy_main(args)
+    args.designs, args.out = args.designs or "10:14,12:16,14:18,16:20", args.out or "results/confirm/power.md"
     data = committed()
     designs = [tuple(int(x) for x in d.split(":")) for d in args.designs.split(",")]
     contrasts = [f"{a} - {b}" for a, b in CONTRASTS]

@@ -14,6 +14,7 @@ paired with every baseline seed.
 import json
 import os
 import statistics
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -390,6 +391,30 @@ LEARN_P = 0.001  # a run learnt when the untrained model would reach its held-ou
 GEPA_ARMS = ("p2o_human", "p2o_human_no_crm")  # the futility rule's arms
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What a pre-registration fixed before its first run; confirm_report reads only this."""
+    contrasts: tuple  # (arm, other arm): each predicted > 0
+    outcomes: tuple  # (name, a run's value, smallest effect of interest), tested in this order (serial gatekeeping)
+    gepa_arms: tuple  # the futility rule's arms
+    learn_rate: bool = True  # the learn-rate secondary (needs the task's scoring-noise file)
+
+
+# docs/PREREGISTRATION-v4.md (the subtraction task, issue 54): the paper's claim first
+STRATEGY_CONTRASTS = (("p2o_human", "grpo_k"), ("p2o_human_no_crm", "grpo_k"), ("rs_distill", "grpo_k"),
+                      ("p2o_human_no_crm", "p2o_human"))
+STRATEGY_OUTCOMES = (
+    ("held-out avg@16", lambda r: overall(r, "heldout", "avg", 16), 0.02),
+    ("held-out pass@16", lambda r: overall(r, "heldout", "pass", 16), 0.1),
+    ("gold answer mean log-prob", lambda r: r.get("gold", {}).get("heldout", {}).get("logp_mean"), 0.05),
+)
+REGISTRATIONS = {  # pre-registration file -> what it fixed
+    "docs/PREREGISTRATION.md": Registration(CONTRASTS, OUTCOMES, GEPA_ARMS),
+    "docs/PREREGISTRATION-v4.md": Registration(STRATEGY_CONTRASTS, STRATEGY_OUTCOMES, GEPA_ARMS, learn_rate=False),
+}
+COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 9: "nine", 12: "twelve"}
+
+
 def learn_threshold(untrained_rate, samples):
     """The fewest correct held-out samples (of `samples`) that the untrained model, correct at rate
     untrained_rate, reaches with probability <= LEARN_P (stats.binomial_tail)."""
@@ -405,11 +430,11 @@ def held_out_correct(run):
     return sum(r["correct"] for r in rows.values()), sum(r["k"] for r in rows.values())
 
 
-def futile(arm, runs, seeds=None):
+def futile(arm, runs, seeds=None, gepa_arms=GEPA_ARMS):
     """The futility rule: a GEPA arm whose first two registered runs (by seed; seeds: the registered
     ones, None = any) kept no template is stopped."""
     first = sorted((r for r in runs if seeds is None or r["seed"] in seeds), key=lambda r: r["seed"])[:2]
-    return arm in GEPA_ARMS and len(first) == 2 and all(r["templates_assigned"] == 0 for r in first)
+    return arm in gepa_arms and len(first) == 2 and all(r["templates_assigned"] == 0 for r in first)
 
 
 def verdict(test, adjusted, delta, sign, complete):
@@ -427,16 +452,19 @@ def verdict(test, adjusted, delta, sign, complete):
     return "undecided"
 
 
-def confirm_report(task_name, results, planned, prereg, noise_rate):
-    """The confirmatory analysis of a task with a pre-registration: {arm: [runs]} against the
-    planned {arm: seeds}; noise_rate: the untrained model's highest held-out avg@16 over scoring
-    seeds (the learn threshold's base). Markdown lines."""
+def confirm_report(task_name, results, planned, prereg, noise_rate, reg=None):
+    """The confirmatory analysis of a task with a pre-registration (reg, default REGISTRATIONS[prereg]):
+    {arm: [runs]} against the planned {arm: seeds}; noise_rate: the untrained model's highest held-out
+    avg@16 over scoring seeds (the learn threshold's base; None without a learn-rate secondary).
+    Markdown lines."""
+    reg = reg or REGISTRATIONS[prereg]
+    contrasts, outcomes, n = reg.contrasts, reg.outcomes, COUNT_WORDS[len(reg.contrasts)]
     untrained = results.get("untrained", [])
     results = {arm: [r for r in results.get(arm, []) if r["seed"] in seeds] for arm, seeds in planned.items()}
-    scored = {arm: {r["seed"] for r in runs if all(value(r) is not None for _, value, _ in OUTCOMES)}
+    scored = {arm: {r["seed"] for r in runs if all(value(r) is not None for _, value, _ in outcomes)}
               for arm, runs in results.items()}
     done = {arm: len(runs) for arm, runs in results.items()}
-    stopped = [arm for arm in planned if futile(arm, results[arm], planned[arm])]
+    stopped = [arm for arm in planned if futile(arm, results[arm], planned[arm], reg.gepa_arms)]
     complete = all(set(seeds) <= scored[arm] or arm in stopped for arm, seeds in planned.items())
     lines = [f"## {task_name}: the confirmatory study", "",
              f"Pre-registration: [{prereg}](../../{prereg}), committed before the first run (its git history shows "
@@ -449,24 +477,26 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
         + ["> " + line if line else ">" for line in recorded] + [""] if recorded else \
         ["Deviations from the pre-registration recorded there: none.", ""]
     lines += ["Registered: the outcomes in this order, " + "; ".join(
-        f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in OUTCOMES)
-        + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in CONTRASTS) + ", each predicted > 0; the futility "
-        f"rule on {', '.join(GEPA_ARMS)}; the learn rate's threshold at p <= {LEARN_P} under the untrained rate.", ""]
+        f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in outcomes)
+        + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in contrasts) + ", each predicted > 0; the futility "
+        f"rule on {', '.join(reg.gepa_arms)}"
+        + (f"; the learn rate's threshold at p <= {LEARN_P} under the untrained rate." if reg.learn_rate else "."), ""]
     if stopped:
         lines += [f"Stopped by the futility rule (their first two runs kept no template; reported as GRPO (K)): "
                   f"{', '.join(stopped)}. Their contrasts are not tested and count as not confirmed, so no later "
                   "outcome is tested.", ""]
-    lines += ["Primary analysis: each outcome a family of the three contrasts, Welch's unpaired test (df rounded "
+    lines += [f"Primary analysis: each outcome a family of the {n} contrasts, Welch's unpaired test (df rounded "
               "down), Holm within the family at 0.05, the families in order (serial gatekeeping: the next only when "
-              "all three of this one are confirmed with their predicted sign). Refuted by the interval: the "
+              f"all {n} of this one are confirmed with their predicted sign). Refuted by the interval: the "
               "unadjusted Welch 95% interval inside ± the smallest effect of interest (only false confirmations are "
-              "held to 0.05 over the nine). Paired: the t-interval over the seeds both arms ran.", "",
+              f"held to 0.05 over the {COUNT_WORDS[len(contrasts) * len(outcomes)]})."
+              " Paired: the t-interval over the seeds both arms ran.", "",
               "| outcome | contrast (predicted > 0) | runs | means | difference | Welch 95% | p | adjusted p | "
               "paired 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     families, signs, rows = [], [], []
-    for name, value, delta in OUTCOMES:
+    for name, value, delta in outcomes:
         ps = []
-        for a, b in CONTRASTS:
+        for a, b in contrasts:
             if a in stopped or b in stopped:
                 ps.append(None)
                 rows.append((name, a, b, None, None, delta))
@@ -479,7 +509,7 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
             ps.append(test["p"] if test else None)
             rows.append((name, a, b, test, (va, vb, pair), delta))
         families.append(ps)
-        signs.append([row[3] is not None and row[3]["mean"] > 0 for row in rows[-len(CONTRASTS):]])
+        signs.append([row[3] is not None and row[3]["mean"] > 0 for row in rows[-len(contrasts):]])
     adjusted = [p for family in gatekeep(families, ALPHA, signs) for p in family]
     for (name, a, b, test, data, delta), adj in zip(rows, adjusted):
         if test is None:
@@ -492,6 +522,8 @@ def confirm_report(task_name, results, planned, prereg, noise_rate):
                      f"{fmt_interval((test['low'], test['high']))} | {fmt_p(test['p'])} | "
                      + ("-" if adj is None else fmt_p(adj)) + f" | {fmt_interval(pair)} | "
                      + verdict(test, adj, delta, +1, complete) + " |")
+    if not reg.learn_rate:
+        return lines + [""]
     return lines + [""] + learn_lines(results | {"untrained": untrained}, planned, noise_rate, stopped, complete)
 
 

@@ -360,6 +360,7 @@ def confirm_run(arm, seed, fact, whole, avg, correct=0, templates=5):
             "templates_assigned": templates, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
 
 
+CONFIRM = report.REGISTRATIONS["docs/PREREGISTRATION.md"]
 PLANNED = {"grpo_k": range(4), "p2o_human": range(3), "p2o_human_no_crm": range(3), "rs_distill": range(3)}
 
 
@@ -500,13 +501,13 @@ def test_runs_of_unregistered_seeds_neither_count_nor_complete_the_study():
     # a registered run without its gold outcome does not complete the study either
     full = study(FACT, WHOLE, AVG)
     del full["grpo_k"][0]["gold"]
-    assert "**Interim**" in "\n".join(report.confirm_report("confirm", full, PLANNED, "p", 0.0046875))
+    assert "**Interim**" in "\n".join(report.confirm_report("confirm", full, PLANNED, "p", 0.0046875, CONFIRM))
 
 
 def test_a_contrast_where_neither_arm_varies_gets_no_verdict():
     flat_avg = {arm: [0.0] * len(PLANNED[arm]) for arm in PLANNED}
     fact = {arm: [-3.0] * len(PLANNED[arm]) for arm in PLANNED}
-    text = "\n".join(report.confirm_report("confirm", study(fact, WHOLE, flat_avg), PLANNED, "p", 0.0046875))
+    text = "\n".join(report.confirm_report("confirm", study(fact, WHOLE, flat_avg), PLANNED, "p", 0.0046875, CONFIRM))
     rows = [line for line in text.splitlines() if line.startswith("| gold fact-token")]
     assert len(rows) == 3 and all(line.endswith("undecided (neither arm varies) |") for line in rows)
 
@@ -516,13 +517,13 @@ def test_the_report_copies_the_recorded_deviations_beside_the_results(tmp_path):
     prereg.write_text("# Plan\n\n## Outcomes\nnot this\n\n## Deviations\n\n1. **A date, a change.** Why.\n"
                       "   More.\n\n2. Another.\n\n## Afterwards\nnot this either\n")
     assert report.deviations(str(prereg)) == ["1. **A date, a change.** Why.", "   More.", "", "2. Another."]
-    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, str(prereg), 0.0046875))
+    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, str(prereg), 0.0046875, CONFIRM))
     assert "> 1. **A date, a change.** Why.\n>    More.\n>\n> 2. Another.\n" in text
     assert "not this" not in text
     # no section, or no file: said so, not left out
     prereg.write_text("# Plan\n\n## Outcomes\nnone moved\n")
     assert report.deviations(str(prereg)) == [] and report.deviations(str(tmp_path / "absent.md")) == []
-    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, str(prereg), 0.0046875))
+    text = "\n".join(report.confirm_report("confirm", study(FACT, WHOLE, AVG), PLANNED, str(prereg), 0.0046875, CONFIRM))
     assert "Deviations from the pre-registration recorded there: none." in text
     # the repository's own pre-registration: its numbered deviations, in order
     numbered = [line.split(".")[0] for line in report.deviations("docs/PREREGISTRATION.md") if line[:1].isdigit()]
@@ -531,3 +532,48 @@ def test_the_report_copies_the_recorded_deviations_beside_the_results(tmp_path):
 
 def test_p_values_keep_two_significant_digits():
     assert [report.fmt_p(p) for p in (0.5, 0.065, 1.0, 0.18, 0.00012)] == ["0.50", "0.065", "1.0", "0.18", "0.00012"]
+
+
+# ----------------------------------------------------------------------------- the v4 study (docs/PREREGISTRATION-v4.md)
+
+V4 = "docs/PREREGISTRATION-v4.md"
+V4_PLANNED = {"grpo_k": range(4), "p2o_human": range(3), "p2o_human_no_crm": range(3), "rs_distill": range(3)}
+
+
+def v4_study(avg, pas, whole):
+    """{arm: runs} of the subtraction study as the report reads them (held-out avg@16, pass@16, gold log-prob)."""
+    return {arm: [{"arm": arm, "seed": s, "gold": {"heldout": {"logp_mean": whole[arm][i], "fact_logp": -5.0}},
+                   "sets": {"final": {"heldout": {"overall": {"avg@16": avg[arm][i], "pass@16": pas[arm][i]}}}},
+                   "templates_assigned": 5, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
+                  for i, s in enumerate(seeds)] for arm, seeds in V4_PLANNED.items()}
+
+
+def test_v4_report_tests_four_contrasts_per_outcome_in_the_registered_order():
+    avg = {"grpo_k": [0.0, 0.02, 0.0, 0.02], "p2o_human": [0.04, 0.06, 0.05], "p2o_human_no_crm": [0.10, 0.12, 0.11],
+           "rs_distill": [0.08, 0.09, 0.10]}
+    pas = {"grpo_k": [0.0, 0.1, 0.0, 0.1], "p2o_human": [0.5, 0.6, 0.55], "p2o_human_no_crm": [0.5, 0.55, 0.6],
+           "rs_distill": [0.4, 0.5, 0.45]}
+    whole = {arm: [-1.0 - 0.01 * i for i in range(len(s))] for arm, s in V4_PLANNED.items()}
+    text = "\n".join(report.confirm_report("subtract", v4_study(avg, pas, whole), V4_PLANNED, V4, None))
+    assert "**Complete**" in text and "family of the four contrasts" in text and "over the twelve" in text
+    assert "learn rate" not in text  # not registered for this study
+    rows = {(line.split(" | ")[0], line.split(" | ")[1]): line for line in text.splitlines()
+            if line.startswith("| held-out") or line.startswith("| gold")}
+    assert len(rows) == 12
+    # C1 on avg@16 by hand: 0.05 - 0.01; variances 1e-4/3 each side (n 3, and 4 x 1e-4 / 3 over n 4), se 0.008165,
+    # Welch df 4.8 -> 4, t(0.975, 4) 2.7764: +0.040 [+0.017, +0.063]
+    assert "| 3 : 4 | +0.050 : +0.010 | +0.040 | [+0.017, +0.063] |" in rows["| held-out avg@16", "p2o_human - grpo_k"]
+    assert all(rows["| held-out avg@16", f"{a} - {b}"].endswith("**confirmed** |")
+               for a, b in report.STRATEGY_CONTRASTS)
+    # pass@16: the mask contrast is 0 (not confirmed), so the gold family is shut
+    assert not rows["| held-out pass@16", "p2o_human_no_crm - p2o_human"].endswith("**confirmed** |")
+    assert all(rows["| gold answer mean log-prob", f"{a} - {b}"].endswith(
+        "not tested (an earlier outcome was not confirmed in full) |") for a, b in report.STRATEGY_CONTRASTS)
+
+
+def test_the_subtract_task_names_its_registration_and_every_arm_in_it():
+    task = compare.TASKS["subtract"]
+    assert task.prereg == V4 and task.prereg in report.REGISTRATIONS and not task.noise
+    arms = {a for pair in report.REGISTRATIONS[V4].contrasts for a in pair}
+    assert arms == set(task.arms) == set(task.seeds)
+    assert not set().union(*map(set, task.seeds.values())) & {0, 1}  # the training pilot's seeds take no part

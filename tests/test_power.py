@@ -30,3 +30,18 @@ def test_power_is_one_for_a_huge_effect_and_small_without_one():
     # a family gate: with no effect in the first outcome, the second (huge) is never reached
     gated = power.power({"first": same["a"], "second": huge["a"]}, 6, 8, sims=200)
     assert max(gated["second"]) < 0.1
+
+
+def test_pooled_sd_by_hand():
+    # a: mean 2, squares 2; b: mean 4, squares 8; c adds nothing (one value): sqrt(10 / 3)
+    assert power.pooled_sd({"a": [1, 3], "b": [2, 4, 6], "c": [5]}) == np.sqrt(10 / 3)
+
+
+def test_v4_power_with_two_pilot_seeds_an_arm_uses_the_pooled_spread():
+    two = {arm: [0.0, 0.01] for arm in ARMS}  # every arm alike but its spread: no effect
+    lifted = {**two, "p2o_human": [0.5, 0.51], "p2o_human_no_crm": [1.0, 1.01], "rs_distill": [0.5, 0.51]}
+    got = power.power({"a": lifted}, 6, 6, sims=200, contrasts=power.STRATEGY_CONTRASTS, pooled=True)["a"]
+    assert list(got) == [1.0, 1.0, 1.0, 1.0]  # each contrast 0.5 or more, noise sd 0.5 x 0.0071
+    assert max(power.power({"a": two}, 6, 6, sims=400, contrasts=power.STRATEGY_CONTRASTS, pooled=True)["a"]) < 0.1
+    flat = {arm: [0.0, 0.0] for arm in ARMS}  # no spread anywhere: no test can confirm
+    assert max(power.power({"a": flat}, 6, 6, sims=50, contrasts=power.STRATEGY_CONTRASTS, pooled=True)["a"]) == 0
