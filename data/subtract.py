@@ -14,10 +14,12 @@ policy, not the untrained model.
 
 Problems: a − b with a ≠ b, both in 1..20 and |a − b| <= 9; 135 with a negative result (level
 `neg`) and 135 with a positive one (`pos`), dealt out seeded: train 40 neg + 20 pos, dev 5 + 5,
-test 20 + 10. The held-out split: 45 negative problems whose operands are 21..40, five for
-each difference 1..9, so no held-out problem shares an operand with a training problem and no
-single answer is right on more than a ninth of them (the answers, -1..-9, are those of training:
-the procedure is what transfers, not an answer).
+test 20 + 10. The held-out split: operands 21..40, so no held-out problem shares an operand with
+a problem of another split; 45 negative problems (the hard level the study scores, five for each
+difference 1..9, so no one answer is right on more than a ninth of them) and 18 positive ones
+(two per difference: a policy that negates every answer fails them). The answers, -9..9, are
+those of training: the procedure is what transfers, not an answer. Every solution has the
+few-shot answers' form, "24 − 29 = -5.", which no arm's training favours.
 """
 
 import argparse
@@ -31,7 +33,7 @@ from data import DATA_DIR, Problem, write_jsonl  # noqa: E402
 STRATEGY = ("When the second number is bigger, the result is below zero: work out (bigger) − (smaller) = "
             "(difference), and the answer is \\boxed{-difference}.")
 SPLITS = {"train": {"neg": 40, "pos": 20}, "dev": {"neg": 5, "pos": 5}, "test": {"neg": 20, "pos": 10}}
-HELDOUT_PER_DIFF = 5  # held-out negative problems (operands 21..40) for each difference 1..9
+HELDOUT_PER_DIFF = {"neg": 5, "pos": 2}  # held-out problems (operands 21..40) of each level for each difference 1..9
 MAX_DIFF = 9
 
 
@@ -44,8 +46,7 @@ def pairs(low, high, sign):
 def problem(a, b, split, i):
     level = "neg" if a < b else "pos"
     kind = "subtract-heldout" if split == "heldout" else "subtract"
-    d = abs(a - b)
-    solution = (f"{b} − {a} = {d}, so {a} − {b} = {a - b}." if a < b else f"{a} − {b} = {d}.")
+    solution = f"{a} − {b} = {a - b}."  # the few-shot answers' form: no arm's training shapes it (the gold outcome)
     return Problem(id=f"subtract-{split}-{level}-{i:04d}", problem=f"What is {a} − {b}?", answer=str(a - b),
                    solution=solution, source=f"{kind}/{level}")
 
@@ -65,11 +66,12 @@ def make_splits(seed=0):
                      for j, (a, b) in enumerate(pools[level][taken[level]:taken[level] + n])]
             taken[level] += n
         splits[name] = rows
-    far = []  # as many of each difference, so that no one answer scores more than 1/9 of the split
-    for d in range(1, MAX_DIFF + 1):
-        same = [(a, b) for a, b in pairs(21, 40, -1) if b - a == d]
-        far += rng.sample(same, HELDOUT_PER_DIFF)
-    splits["heldout"] = [problem(a, b, "heldout", i) for i, (a, b) in enumerate(far)]
+    splits["heldout"] = []
+    for level, sign in (("neg", -1), ("pos", +1)):  # as many of each difference: no one answer scores above 1/9
+        far = []
+        for d in range(1, MAX_DIFF + 1):
+            far += rng.sample([(a, b) for a, b in pairs(21, 40, sign) if abs(a - b) == d], HELDOUT_PER_DIFF[level])
+        splits["heldout"] += [problem(a, b, "heldout", i) for i, (a, b) in enumerate(far)]
     return splits
 
 

@@ -306,7 +306,8 @@ def score_sets(task, test, heldout, rule, k, k_templated):
 
 def gold_scores(run_dir, checkpoint, task, sets):
     """The task's gold log-probs (experiments/gold_logprob.py) of a checkpoint on its gold set:
-    per-problem rows to run_dir/gold.jsonl, the summary returned ({} when the task has none)."""
+    per-problem rows to run_dir/gold.jsonl, the summary returned ({} when the task has none), with
+    one per source where the set has several."""
     if not task.gold:
         return {}
     from experiments.gold_logprob import score_checkpoint, summary
@@ -314,7 +315,10 @@ def gold_scores(run_dir, checkpoint, task, sets):
     problems = next(problems for name, problems, _, _ in sets if name == task.gold)
     rows = score_checkpoint(checkpoint, problems, task.fact)
     write_jsonl_rows(os.path.join(run_dir, "gold.jsonl"), rows)
-    return {task.gold: summary(rows)}
+    source = {p.id: p.source for p in problems}
+    sources = list(dict.fromkeys(source.values()))
+    by_source = {src: summary([r for r in rows if source[r["id"]] == src]) for src in sources}
+    return {task.gold: summary(rows) | ({"by_source": by_source} if len(sources) > 1 else {})}
 
 
 def untrained_result(run_dir, scorer, model, sets, probe=None, task=None):

@@ -1,6 +1,6 @@
 """Power of the confirmatory study (docs/PREREGISTRATION.md), simulated from the committed
 five-seed runs of the exploratory comparison (results/compare/fictional); and of the v4 study
-(docs/PREREGISTRATION-v4.md), from its training pilot (results/strategy_pilot/training).
+(docs/PREREGISTRATION-v4.md), from its training pilot (strategy_main, below).
 
     python experiments/power.py                     # -> results/confirm/power.md (and the table printed)
     python experiments/power.py --study=subtract    # -> results/subtract/power.md
@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import BASELINE as CONTROL, CONTRASTS, STRATEGY_CONTRASTS, STRATEGY_OUTCOMES  # noqa: E402
 # (the registered contrasts and outcomes, one definition)
-from stats import gatekeep, welch, write_lines  # noqa: E402
+from stats import fixed_sequences, gatekeep, welch, write_lines  # noqa: E402
 
+PREDICTED = (+1,) * len(CONTRASTS)  # every contrast predicts > 0: unmasked distillation learns more
 FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested in this order (stats.gatekeep)
     "as pre-registered: the fact tokens' log-prob, then the whole answer's, then held-out avg@16 (serial gatekeeping)":
         ("probe fact-token log p", "probe response mean log p", "held-out avg@16"),
@@ -65,47 +66,23 @@ def committed(root="results/compare/fictional"):
     return out
 
 
-def pilot(root="results/strategy_pilot/training/subtract"):
-    """{outcome: {arm: [per-seed value]}} of the v4 study's registered outcomes (report.STRATEGY_OUTCOMES),
-    read from the training pilot's finished runs (seeds outside the study's)."""
-    arms = sorted({a for pair in STRATEGY_CONTRASTS for a in pair})
-    out = {name: {} for name, _, _ in STRATEGY_OUTCOMES}
-    for arm in arms:
-        for d in sorted(glob.glob(os.path.join(root, arm, "seed-*", "result.json"))):
-            result = json.load(open(d))
-            for name, value, _ in STRATEGY_OUTCOMES:
-                out[name].setdefault(arm, []).append(value(result))
-    return out
-
-
-def draw(rng, values, picks, bandwidth, shrink_to=None, shrink=0.0, sd=None):
+def draw(rng, values, picks, bandwidth, shrink_to=None, shrink=0.0):
     """One arm's simulated outcomes: its committed values at the drawn seeds `picks` plus normal
-    noise (module doc; sd: the noise's scale, default the arm's own sd); shrink > 0 moves them that
-    fraction of the way to shrink_to (the control's mean)."""
+    noise (module doc); shrink > 0 moves them that fraction of the way to shrink_to (the control's mean)."""
     v = np.asarray(values, dtype=np.float64)
-    x = v[picks] + rng.normal(0.0, bandwidth * (v.std(ddof=1) if sd is None else sd), len(picks))
+    x = v[picks] + rng.normal(0.0, bandwidth * v.std(ddof=1), len(picks))
     return x if shrink_to is None else x + shrink * (shrink_to - v.mean())
 
 
-def pooled_sd(values):
-    """The within-arm sd pooled over the arms ({arm: values}; arms with one value add nothing)."""
-    groups = [np.asarray(v, dtype=np.float64) for v in values.values() if len(v) > 1]
-    df = sum(len(g) - 1 for g in groups)
-    return float(np.sqrt(sum(((g - g.mean()) ** 2).sum() for g in groups) / df))
-
-
-def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.05, seed=0, contrasts=CONTRASTS,
-          pooled=False):
+def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.05, seed=0):
     """{outcome: per-contrast fraction of simulated studies that confirm it}: every outcome of a
     simulated seed comes from the same committed seed (their correlation kept); the outcomes are
     tested in the order given, each a family of the contrasts (stats.gatekeep: Holm within, the
-    next only when all of this one are confirmed); every contrast predicted > 0. pooled: the noise's
-    scale is the sd pooled over the arms (pooled_sd), for pilots with too few seeds an arm."""
+    next only when all of this one are confirmed)."""
     rng = np.random.default_rng(seed)
     outcomes = list(data)
     arms = list(data[outcomes[0]])
-    hits = np.zeros((len(outcomes), len(contrasts)))
-    predicted = (+1,) * len(contrasts)
+    hits = np.zeros((len(outcomes), len(CONTRASTS)))
     for _ in range(sims):
         picks = {arm: rng.integers(0, len(data[outcomes[0]][arm]), n_control if arm == CONTROL else n_arm)
                  for arm in arms}
@@ -113,14 +90,13 @@ def power(data, n_arm, n_control, sims=2000, bandwidth=0.5, shrink=0.0, alpha=0.
         for outcome in outcomes:
             values = data[outcome]
             base = np.mean(values[CONTROL])
-            sd = pooled_sd(values) if pooled else None
             sample = {arm: draw(rng, values[arm], picks[arm], bandwidth, None if arm == CONTROL else base,
-                                0.0 if arm == CONTROL else shrink, sd) for arm in arms}
-            tests += [welch(sample[a], sample[b]) for a, b in contrasts]
-            ps.append([t["p"] for t in tests[-len(contrasts):]])
-        signs = predicted * len(outcomes)
-        right = [[np.sign(t["mean"]) == s for t, s in zip(tests[i:i + len(contrasts)], predicted)]
-                 for i in range(0, len(tests), len(contrasts))]
+                                0.0 if arm == CONTROL else shrink) for arm in arms}
+            tests += [welch(sample[a], sample[b]) for a, b in CONTRASTS]
+            ps.append([t["p"] for t in tests[-len(CONTRASTS):]])
+        signs = PREDICTED * len(outcomes)
+        right = [[np.sign(t["mean"]) == s for t, s in zip(tests[i:i + len(CONTRASTS)], PREDICTED)]
+                 for i in range(0, len(tests), len(CONTRASTS))]
         adjusted = [p for family_ps in gatekeep(ps, alpha, right) for p in family_ps]
         hits += np.reshape([p is not None and p <= alpha and np.sign(t["mean"]) == s
                             for p, t, s in zip(adjusted, tests, signs)], hits.shape)
@@ -132,37 +108,117 @@ def family(data, names):
     return {name: data[name] for name in names}
 
 
+# ----------------------------------------------------------------------------- the v4 study
+
+BOUNDS = {"held-out avg@16": (0.0, 1.0), "held-out pass@16": (0.0, 1.0), "gold answer mean log-prob": (-np.inf, 0.0)}
+
+
+def pilot(root="results/strategy_pilot/training/subtract"):
+    """{outcome: {arm: [per-run value]}} of the v4 study's registered outcomes (report.STRATEGY_OUTCOMES)
+    in the training pilot's finished runs (its seeds are not the study's). The pilot scored the 45 hard
+    held-out problems alone, their gold answers in an earlier form ("29 − 24 = 5, so 24 − 29 = -5."):
+    its gold log-prob is that set's."""
+    arms = sorted({a for pair in STRATEGY_CONTRASTS for a in pair})
+    out = {name: {arm: [] for arm in arms} for name, _, _ in STRATEGY_OUTCOMES}
+    for arm in arms:
+        for path in sorted(glob.glob(os.path.join(root, arm, "seed-*", "result.json"))):
+            with open(path) as f:
+                result = json.load(f)
+            for name, value, _ in STRATEGY_OUTCOMES:
+                got = value(result)
+                if got is None and name == "gold answer mean log-prob":  # the pilot's held-out split was the hard
+                    got = result["gold"]["heldout"]["logp_mean"]  # level alone (then gold answers "b − a = d, so ...")
+                out[name][arm].append(got)
+    return out
+
+
+def pooled_sd(values):
+    """(the within-arm sd pooled over the arms of {arm: values}, its degrees of freedom); arms with one
+    value add nothing."""
+    groups = [np.asarray(v, dtype=np.float64) for v in values.values() if len(v) > 1]
+    df = sum(len(g) - 1 for g in groups)
+    return (float(np.sqrt(sum(((g - g.mean()) ** 2).sum() for g in groups) / df)) if df else float("nan")), df
+
+
+def sd_upper(sd, df, level=0.8, seed=0):
+    """The one-sided `level` upper confidence limit of a normal sd estimated with df degrees of freedom:
+    sd * sqrt(df / q), q the (1 - level) quantile of chi-square(df) (from 10^6 seeded draws)."""
+    q = np.quantile(np.random.default_rng(seed).chisquare(df, 1_000_000), 1 - level)
+    return sd * float(np.sqrt(df / q))
+
+
+def strategy_power(means, sds, n_arm, n_control, sims=2000, alpha=0.05, seed=0):
+    """{outcome: per-contrast fraction of simulated studies that confirm it} under the v4 analysis: each run's
+    outcome ~ normal(its arm's mean, the outcome's sd), clipped to the outcome's range (BOUNDS: a score below 0
+    is 0, so a control at the floor stays there); Welch per contrast; each contrast a fixed sequence over the
+    outcomes in order, Bonferroni over the contrasts (stats.fixed_sequences). A run's outcomes are drawn
+    independently of each other (the pilot cannot measure their correlation)."""
+    rng = np.random.default_rng(seed)
+    names = [name for name, _, _ in STRATEGY_OUTCOMES]
+    hits = np.zeros((len(names), len(STRATEGY_CONTRASTS)))
+    for _ in range(sims):
+        ps, signs = [], []
+        for name in names:
+            sample = {arm: np.clip(rng.normal(mu, sds[name], n_control if arm == CONTROL else n_arm), *BOUNDS[name])
+                      for arm, mu in means[name].items()}
+            tests = [welch(sample[a], sample[b]) for a, b in STRATEGY_CONTRASTS]
+            ps.append([1.0 if t["df"] is None else t["p"] for t in tests])
+            signs.append([t["mean"] > 0 for t in tests])
+        chains = fixed_sequences([list(c) for c in zip(*ps)], alpha, [list(c) for c in zip(*signs)])
+        hits += np.array([[a is not None and a <= alpha and good for a, good in zip(chain, chain_signs)]
+                          for chain, chain_signs in zip(chains, zip(*signs))]).T
+    return {name: hits[i] / sims for i, name in enumerate(names)}
+
+
+def scenarios(data):
+    """{label: (means, sds)}: the pilot's arm means, or every effect at the smallest of interest above the
+    pilot's control (P²O and rejection sampling +delta, unmasked P²O +2 delta, so C4 is +delta too); each with
+    the pooled sd, or its 80% upper limit."""
+    out = {}
+    for effect in ("as in the pilot", "at delta"):
+        means = {}
+        for name, _, delta in STRATEGY_OUTCOMES:
+            base = float(np.mean(data[name][CONTROL]))
+            step = {CONTROL: 0.0, "p2o_human": delta, "p2o_human_no_crm": 2 * delta, "rs_distill": delta}
+            means[name] = ({arm: float(np.mean(v)) for arm, v in data[name].items()} if effect == "as in the pilot"
+                           else {arm: base + step[arm] for arm in data[name]})
+        for spread in ("pooled sd", "its 80% upper limit"):
+            sds = {}
+            for name in data:
+                sd, df = pooled_sd(data[name])
+                sds[name] = sd if spread == "pooled sd" else sd_upper(sd, df)
+            out[f"{effect}, {spread}"] = (means, sds)
+    return out
+
+
 def strategy_main(args):
     """--study=subtract: the v4 study's power (docs/PREREGISTRATION-v4.md) from its training pilot."""
     data = pilot()
     designs = [tuple(int(x) for x in d.split(":")) for d in args.designs.split(",")]
     contrasts = [f"{a} - {b}" for a, b in STRATEGY_CONTRASTS]
-    seeds = {arm: len(v) for arm, v in data[next(iter(data))].items()}
     lines = ["# Power of the v4 study (simulated from its training pilot)", "",
-             f"`python experiments/power.py --study=subtract --sims={args.sims}`: Welch per contrast; Holm over the "
-             "four contrasts of an outcome at 0.05, the outcomes in the registered order, each only when all four of "
-             "the one before are confirmed with their predicted sign (stats.gatekeep). Each simulated run: one "
-             "pilot run of its arm at random plus normal noise; the pilot has " + ", ".join(
-                 f"{arm} {n}" for arm, n in seeds.items()) + " runs (seeds 0, 1), too few for an arm's own sd, so the "
-             "noise's sd is the within-arm sd pooled over the four arms, times the bandwidth (0.5: the smoothed "
-             "bootstrap of the earlier study; 1: twice that spread). Effect: as in the pilot, or every arm shrunk "
-             "halfway to the control. An assumption, said here: two seeds an arm measure neither an arm's mean nor "
-             "its spread well.", ""]
-    for outcome, values in data.items():
-        lines.append(f"- {outcome}: pilot runs, per arm: " + ", ".join(
-            f"{arm} " + " / ".join(f"{x:+.4f}" for x in v) for arm, v in values.items())
-            + f"; pooled within-arm sd {pooled_sd(values):.4f}")
-    lines += ["", "| runs per arm : control | bandwidth | effect | outcome | " + " | ".join(contrasts) + " |",
-              "|---|---|---|---|" + "---|" * len(contrasts)]
+             f"`python experiments/power.py --study=subtract --sims={args.sims}`: each simulated run's outcome is "
+             "normal around its arm's mean with the outcome's sd, clipped to the outcome's range; Welch per "
+             "contrast; each contrast a fixed sequence over the outcomes in the registered order, every test at "
+             "0.05 / 4 (the registered analysis; `strategy_power`). The pilot has two runs an arm, too few for an "
+             "arm's own spread, so the sd is the within-arm sd pooled over the four arms, or (the guard against a "
+             "pilot that saw too little spread) its one-sided 80% upper confidence limit. Means: as in the pilot, "
+             "or every contrast at its smallest effect of interest above the pilot's control. A run's outcomes "
+             "are drawn independently. Two runs an arm measure neither an arm's mean nor its spread well: the "
+             "table is a guide, stated in advance, not a promise.", ""]
+    for name, values in data.items():
+        sd, df = pooled_sd(values)
+        lines.append(f"- {name}: pilot runs " + ", ".join(f"{arm} " + " / ".join(f"{x:+.4f}" for x in v)
+                                                          for arm, v in values.items())
+                     + f"; pooled sd {sd:.4f} ({df} df), 80% upper limit {sd_upper(sd, df):.4f}")
+    lines += ["", "| runs per arm : control | means, sd | outcome | " + " | ".join(contrasts) + " |",
+              "|---|---|---|" + "---|" * len(contrasts)]
     for n_arm, n_control in designs:
-        for bandwidth in (0.5, 1.0):
-            for shrink, label in ((0.0, "as in the pilot"), (0.5, "half")):
-                got = power(data, n_arm, n_control, args.sims, bandwidth, shrink, contrasts=STRATEGY_CONTRASTS,
-                            pooled=True)
-                for outcome, p in got.items():
-                    lines.append(f"| {n_arm} : {n_control} | {bandwidth:g} | {label} | {outcome} | "
-                                 + " | ".join(f"{x:.2f}" for x in p) + " |")
-                    print(lines[-1], flush=True)
+        for label, (means, sds) in scenarios(data).items():
+            for outcome, p in strategy_power(means, sds, n_arm, n_control, args.sims).items():
+                lines.append(f"| {n_arm} : {n_control} | {label} | {outcome} | "
+                             + " | ".join(f"{x:.2f}" for x in p) + " |")
+                print(lines[-1], flush=True)
     write_lines(args.out or "results/subtract/power.md", lines + [""])
     return 0
 

@@ -13,13 +13,16 @@ paired with every baseline seed.
 
 import json
 import os
+import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from plot import read_jsonl  # the repository root is on sys.path (compare.py puts it there)
-from stats import barnard, binomial_tail, gatekeep, hierarchical_bootstrap, holm, sign_flip_p, t_interval, welch
+from verify import last_boxed
+from stats import barnard, binomial_tail, fixed_sequences, gatekeep, hierarchical_bootstrap, holm, sign_flip_p, t_interval, welch
 
 BASELINE = "grpo_k"
 MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds it says nothing useful
@@ -396,21 +399,74 @@ class Registration:
     """What a pre-registration fixed before its first run; confirm_report reads only this."""
     contrasts: tuple  # (arm, other arm): each predicted > 0
     outcomes: tuple  # (name, a run's value, smallest effect of interest), tested in this order (serial gatekeeping)
-    gepa_arms: tuple  # the futility rule's arms
+    gepa_arms: tuple  # the futility rule's arms (none: no futility rule)
     learn_rate: bool = True  # the learn-rate secondary (needs the task's scoring-noise file)
+    # "serial": each outcome a Holm family over the contrasts, the next only when all are confirmed (stats.gatekeep);
+    # "per_contrast": each contrast its own fixed sequence over the outcomes, Bonferroni over the contrasts
+    # (stats.fixed_sequences)
+    multiplicity: str = "serial"
+    exact_refutes: bool = False  # neither arm varies and their difference lies within +/- delta: refuted
+    described: object = None  # results, planned -> markdown lines of registered descriptive secondaries
+
+
+def by_source(run, set_name, source, key):
+    """A run's score `key` on one source of a set (result.json's by_source), or None where it has none."""
+    return run.get("sets", {}).get("final", {}).get(set_name, {}).get("by_source", {}).get(source, {}).get(key)
 
 
 # docs/PREREGISTRATION-v4.md (the subtraction task, issue 54): the paper's claim first
 STRATEGY_CONTRASTS = (("p2o_human", "grpo_k"), ("p2o_human_no_crm", "grpo_k"), ("rs_distill", "grpo_k"),
                       ("p2o_human_no_crm", "p2o_human"))
+HARD = "subtract-heldout/neg"  # the held-out split's hard level: the outcomes are read on it alone
 STRATEGY_OUTCOMES = (
-    ("held-out avg@16", lambda r: overall(r, "heldout", "avg", 16), 0.02),
-    ("held-out pass@16", lambda r: overall(r, "heldout", "pass", 16), 0.1),
-    ("gold answer mean log-prob", lambda r: r.get("gold", {}).get("heldout", {}).get("logp_mean"), 0.05),
+    ("held-out avg@16", lambda r: by_source(r, "heldout", HARD, "avg@16"), 0.02),
+    ("held-out pass@16", lambda r: by_source(r, "heldout", HARD, "pass@16"), 0.1),
+    ("gold answer mean log-prob",
+     lambda r: r.get("gold", {}).get("heldout", {}).get("by_source", {}).get(HARD, {}).get("logp_mean"), 0.05),
 )
+def greedy_answer(response):
+    """The integer in a response's last box ("-5", "−5", " 5 "), or None: model output, parsed, never evaluated."""
+    found, _ = last_boxed(response or "")
+    m = re.fullmatch(r"\s*([-−]?)\s*(\d{1,6})\s*\.?\s*", found or "")
+    return None if m is None else (-1 if m.group(1) else 1) * int(m.group(2))
+
+
+def answer_spread_lines(results, planned):
+    """The v4 study's registered descriptive guards against a degenerate policy, per arm (mean over its
+    registered runs): avg@16 on the positive held-out problems; of the hard held-out problems' greedy
+    answers, the share that are the run's most common answer, the share of the right size whatever the
+    sign, and the share right."""
+    from data import load_jsonl
+
+    answers = {p.id: int(p.answer) for p in load_jsonl("subtract-heldout")[0] if p.source == HARD}
+    lines = ["Described (registered, no test): guards against a degenerate policy (a constant \\boxed{-1} scores "
+             "1/9 on the hard level; negating every answer scores 0 on the positive one). Means over each arm's "
+             "runs; greedy answers of the 45 hard held-out problems.", "",
+             "| arm | runs | positive held-out avg@16 | most common answer's share | right size | right |",
+             "|---|---|---|---|---|---|"]
+    for arm in ["untrained", *planned]:
+        runs = [r for r in results.get(arm, []) if arm == "untrained" or r["seed"] in planned[arm]]
+        rows = [r.get("problems", {}).get(("final", "heldout"), {}) for r in runs]
+        got = [{pid: greedy_answer(row.get("greedy_response")) for pid, row in table.items() if pid in answers}
+               for table in rows]
+        got = [g for g in got if g]
+        if not runs or not got:
+            continue
+        common = [max(Counter(v for v in g.values() if v is not None).values(), default=0) / len(g) for g in got]
+        size = [sum(v is not None and abs(v) == abs(answers[pid]) for pid, v in g.items()) / len(g) for g in got]
+        right = [sum(v == answers[pid] for pid, v in g.items()) / len(g) for g in got]
+        pos = [by_source(r, "heldout", "subtract-heldout/pos", "avg@16") for r in runs]
+        pos = [x for x in pos if x is not None]
+        lines.append(f"| {arm} | {len(runs)} | " + (f"{statistics.mean(pos):.3f}" if pos else "-")
+                     + f" | {statistics.mean(common):.3f} | {statistics.mean(size):.3f} | {statistics.mean(right):.3f} |")
+    return lines + [""]
+
+
 REGISTRATIONS = {  # pre-registration file -> what it fixed
     "docs/PREREGISTRATION.md": Registration(CONTRASTS, OUTCOMES, GEPA_ARMS),
-    "docs/PREREGISTRATION-v4.md": Registration(STRATEGY_CONTRASTS, STRATEGY_OUTCOMES, GEPA_ARMS, learn_rate=False),
+    "docs/PREREGISTRATION-v4.md": Registration(STRATEGY_CONTRASTS, STRATEGY_OUTCOMES, (), learn_rate=False,
+                                               multiplicity="per_contrast", exact_refutes=True,
+                                               described=answer_spread_lines),
 }
 COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 9: "nine", 12: "twelve"}
 
@@ -437,13 +493,18 @@ def futile(arm, runs, seeds=None, gepa_arms=GEPA_ARMS):
     return arm in gepa_arms and len(first) == 2 and all(r["templates_assigned"] == 0 for r in first)
 
 
-def verdict(test, adjusted, delta, sign, complete):
-    """confirmed / refuted / undecided / not tested (the pre-registration's rules)."""
+def verdict(test, adjusted, delta, sign, complete, reg=None):
+    """confirmed / refuted / undecided / not tested (the pre-registration's rules, reg's where they differ)."""
+    per_contrast = reg is not None and reg.multiplicity == "per_contrast"
     if adjusted is None:
-        return "not tested (an earlier outcome was not confirmed in full)" if complete else "undecided (interim)"
+        shut = "this contrast's earlier outcome was not confirmed" if per_contrast else \
+            "an earlier outcome was not confirmed in full"
+        return f"not tested ({shut})" if complete else "undecided (interim)"
     if not complete:
         return "undecided (interim)"
     if test["df"] is None:
+        if reg is not None and reg.exact_refutes and abs(test["mean"]) < delta:
+            return f"**refuted** (neither arm varies: the difference is exactly {test['mean']:+.3g}, within ±{delta:g})"
         return "undecided (neither arm varies)"
     if adjusted <= ALPHA:
         return "**confirmed**" if test["mean"] * sign > 0 else "**refuted** (the opposite sign)"
@@ -458,10 +519,9 @@ def confirm_report(task_name, results, planned, prereg, noise_rate, reg=None):
     avg@16 over scoring seeds (the learn threshold's base; None without a learn-rate secondary).
     Markdown lines."""
     reg = reg or REGISTRATIONS[prereg]
-    contrasts, outcomes, n = reg.contrasts, reg.outcomes, COUNT_WORDS[len(reg.contrasts)]
     untrained = results.get("untrained", [])
     results = {arm: [r for r in results.get(arm, []) if r["seed"] in seeds] for arm, seeds in planned.items()}
-    scored = {arm: {r["seed"] for r in runs if all(value(r) is not None for _, value, _ in outcomes)}
+    scored = {arm: {r["seed"] for r in runs if all(value(r) is not None for _, value, _ in reg.outcomes)}
               for arm, runs in results.items()}
     done = {arm: len(runs) for arm, runs in results.items()}
     stopped = [arm for arm in planned if futile(arm, results[arm], planned[arm], reg.gepa_arms)]
@@ -476,42 +536,9 @@ def confirm_report(task_name, results, planned, prereg, noise_rate, reg=None):
     lines += ["Deviations from the pre-registration, as recorded there (its section \"Deviations\", copied):", ""] \
         + ["> " + line if line else ">" for line in recorded] + [""] if recorded else \
         ["Deviations from the pre-registration recorded there: none.", ""]
-    lines += ["Registered: the outcomes in this order, " + "; ".join(
-        f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in outcomes)
-        + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in contrasts) + ", each predicted > 0; the futility "
-        f"rule on {', '.join(reg.gepa_arms)}"
-        + (f"; the learn rate's threshold at p <= {LEARN_P} under the untrained rate." if reg.learn_rate else "."), ""]
-    if stopped:
-        lines += [f"Stopped by the futility rule (their first two runs kept no template; reported as GRPO (K)): "
-                  f"{', '.join(stopped)}. Their contrasts are not tested and count as not confirmed, so no later "
-                  "outcome is tested.", ""]
-    lines += [f"Primary analysis: each outcome a family of the {n} contrasts, Welch's unpaired test (df rounded "
-              "down), Holm within the family at 0.05, the families in order (serial gatekeeping: the next only when "
-              f"all {n} of this one are confirmed with their predicted sign). Refuted by the interval: the "
-              "unadjusted Welch 95% interval inside ± the smallest effect of interest (only false confirmations are "
-              f"held to 0.05 over the {COUNT_WORDS[len(contrasts) * len(outcomes)]})."
-              " Paired: the t-interval over the seeds both arms ran.", "",
-              "| outcome | contrast (predicted > 0) | runs | means | difference | Welch 95% | p | adjusted p | "
-              "paired 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-    families, signs, rows = [], [], []
-    for name, value, delta in outcomes:
-        ps = []
-        for a, b in contrasts:
-            if a in stopped or b in stopped:
-                ps.append(None)
-                rows.append((name, a, b, None, None, delta))
-                continue
-            va = {r["seed"]: value(r) for r in results.get(a, []) if value(r) is not None}
-            vb = {r["seed"]: value(r) for r in results.get(b, []) if value(r) is not None}
-            test = welch(list(va.values()), list(vb.values())) if len(va) >= 2 and len(vb) >= 2 else None
-            common = sorted(va.keys() & vb.keys())
-            pair = t_interval([va[s] - vb[s] for s in common])[1:] if len(common) >= 2 else None
-            ps.append(test["p"] if test else None)
-            rows.append((name, a, b, test, (va, vb, pair), delta))
-        families.append(ps)
-        signs.append([row[3] is not None and row[3]["mean"] > 0 for row in rows[-len(contrasts):]])
-    adjusted = [p for family in gatekeep(families, ALPHA, signs) for p in family]
-    for (name, a, b, test, data, delta), adj in zip(rows, adjusted):
+    lines += registered_lines(reg, stopped)
+    rows = contrast_rows(reg, results, stopped)
+    for (name, a, b, test, data, delta), adj in zip(rows, adjust(reg, rows)):
         if test is None:
             lines.append(f"| {name} | {a} - {b} | - | - | - | - | - | - | - | "
                          + ("stopped (futility)" if a in stopped or b in stopped else "undecided (too few runs)") + " |")
@@ -519,12 +546,76 @@ def confirm_report(task_name, results, planned, prereg, noise_rate, reg=None):
         va, vb, pair = data
         lines.append(f"| {name} | {a} - {b} | {len(va)} : {len(vb)} | {statistics.mean(va.values()):+.3f} : "
                      f"{statistics.mean(vb.values()):+.3f} | {test['mean']:+.3f} | "
-                     f"{fmt_interval((test['low'], test['high']))} | {fmt_p(test['p'])} | "
+                     f"{fmt_interval((test['low'], test['high']))} | "
+                     + ("-" if test["df"] is None else fmt_p(test["p"])) + " | "
                      + ("-" if adj is None else fmt_p(adj)) + f" | {fmt_interval(pair)} | "
-                     + verdict(test, adj, delta, +1, complete) + " |")
+                     + verdict(test, adj, delta, +1, complete, reg) + " |")
+    lines += [""] + (reg.described(results | {"untrained": untrained}, planned) if reg.described else [])
     if not reg.learn_rate:
-        return lines + [""]
-    return lines + [""] + learn_lines(results | {"untrained": untrained}, planned, noise_rate, stopped, complete)
+        return lines
+    return lines + learn_lines(results | {"untrained": untrained}, planned, noise_rate, stopped, complete,
+                                      reg.contrasts)
+
+
+def registered_lines(reg, stopped):
+    """What the registration fixed, the futility rule's outcome, and the analysis in words, then the table's head."""
+    n, tests = COUNT_WORDS[len(reg.contrasts)], COUNT_WORDS[len(reg.contrasts) * len(reg.outcomes)]
+    lines = ["Registered: the outcomes in this order, " + "; ".join(
+        f"{name} (smallest effect of interest ±{delta:g})" for name, _, delta in reg.outcomes)
+        + "; the contrasts " + ", ".join(f"{a} - {b}" for a, b in reg.contrasts) + ", each predicted > 0; "
+        + (f"the futility rule on {', '.join(reg.gepa_arms)}" if reg.gepa_arms else "no futility rule")
+        + (f"; the learn rate's threshold at p <= {LEARN_P} under the untrained rate." if reg.learn_rate else "."), ""]
+    if stopped:
+        lines += [f"Stopped by the futility rule (their first two runs kept no template; reported as GRPO (K)): "
+                  f"{', '.join(stopped)}. Their contrasts are not tested and count as not confirmed, so no later "
+                  "outcome is tested.", ""]
+    if reg.multiplicity == "per_contrast":
+        how = (f"Welch's unpaired test (df rounded down), each contrast a fixed sequence over the outcomes in order "
+               f"(the next only when this one is confirmed with its predicted sign), every test at 0.05 / "
+               f"{len(reg.contrasts)} (Bonferroni over the {n} contrasts; adjusted p = {len(reg.contrasts)} p)")
+    else:
+        how = (f"each outcome a family of the {n} contrasts, Welch's unpaired test (df rounded down), Holm within the "
+               f"family at 0.05, the families in order (serial gatekeeping: the next only when all {n} of this one "
+               "are confirmed with their predicted sign)")
+    exact = (" Where neither arm varies there is no test (p shown as -, never confirmed); the difference is then "
+             "exact, and refutes when it lies inside ± the smallest effect of interest.") if reg.exact_refutes else ""
+    return lines + [f"Primary analysis: {how}. Refuted by the interval: the "
+                    "unadjusted Welch 95% interval inside ± the smallest effect of interest (only false confirmations "
+                    f"are held to 0.05 over the {tests}).{exact} Paired: the t-interval over the seeds both arms ran.",
+                    "", "| outcome | contrast (predicted > 0) | runs | means | difference | Welch 95% | p | adjusted p | "
+                    "paired 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def contrast_rows(reg, results, stopped):
+    """[(outcome, arm, other arm, Welch test or None, (values by seed, other's values, paired interval), delta)]
+    in outcome-major order."""
+    rows = []
+    for name, value, delta in reg.outcomes:
+        for a, b in reg.contrasts:
+            if a in stopped or b in stopped:
+                rows.append((name, a, b, None, None, delta))
+                continue
+            va = {r["seed"]: value(r) for r in results.get(a, []) if value(r) is not None}
+            vb = {r["seed"]: value(r) for r in results.get(b, []) if value(r) is not None}
+            test = welch(list(va.values()), list(vb.values())) if len(va) >= 2 and len(vb) >= 2 else None
+            common = sorted(va.keys() & vb.keys())
+            pair = t_interval([va[s] - vb[s] for s in common])[1:] if len(common) >= 2 else None
+            rows.append((name, a, b, test, (va, vb, pair), delta))
+    return rows
+
+
+def adjust(reg, rows):
+    """The adjusted p of every row (None: not tested) under the registration's multiplicity rule. A test where
+    neither arm varies enters with p 1: it is counted, and can never be confirmed or open a gate."""
+    m = len(reg.contrasts)
+    ps = [None if test is None else (1.0 if test["df"] is None else test["p"]) for _, _, _, test, _, _ in rows]
+    good = [test is not None and test["mean"] > 0 for _, _, _, test, _, _ in rows]
+    families = [ps[i:i + m] for i in range(0, len(ps), m)]
+    signs = [good[i:i + m] for i in range(0, len(good), m)]
+    if reg.multiplicity == "per_contrast":  # chains are the columns of the outcome-major families
+        chains = fixed_sequences([list(c) for c in zip(*families)], ALPHA, [list(c) for c in zip(*signs)])
+        return [chains[c][o] for o in range(len(families)) for c in range(m)]
+    return [p for family in gatekeep(families, ALPHA, signs) for p in family]
 
 
 def fmt_p(p):
@@ -552,7 +643,7 @@ def deviations(prereg):
     return section
 
 
-def learn_lines(results, planned, noise_rate, stopped, complete=True):
+def learn_lines(results, planned, noise_rate, stopped, complete=True, contrasts=CONTRASTS):
     """The learn-rate secondary: runs whose held-out correct count the untrained model would reach
     with p <= LEARN_P, per arm, and Barnard's test per contrast (Holm over the three); labelled
     interim until the study is complete."""
@@ -575,7 +666,7 @@ def learn_lines(results, planned, noise_rate, stopped, complete=True):
         c, m = held_out_correct(results["untrained"][0])
         lines.append(f"| untrained (this scoring's draw) | {c} correct of {m} samples | - |")
     tests = [(a, b, barnard(counts[a][0], counts[a][1], counts[b][0], counts[b][1]))
-             for a, b in CONTRASTS if a in counts and b in counts and a not in stopped and b not in stopped]
+             for a, b in contrasts if a in counts and b in counts and a not in stopped and b not in stopped]
     adjusted = holm([p for _, _, (_, p) in tests])
     lines += ["", "Interim (not every registered run is in):" if not complete else "Complete:", "",
               "| contrast | learnt | Barnard p | Holm-adjusted p |", "|---|---|---|---|"]

@@ -156,6 +156,26 @@ def gatekeep(families, alpha=0.05, signs=None):
     return out
 
 
+def fixed_sequences(chains, alpha=0.05, signs=None):
+    """One fixed-sequence test per chain, Bonferroni over the chains: chains[c] holds hypothesis c's
+    p-values in their tested order (one per outcome); each is tested at alpha / (number of chains),
+    the next of a chain only when every one before it in that chain was rejected with its predicted
+    sign (signs[c][i]). Each chain then errs with probability at most alpha / m, all of them at most
+    alpha. -> the same shape: p x m capped at 1 where tested, None where a chain stopped (or the p
+    is None, which stops its chain)."""
+    m = len(chains)
+    out = []
+    for c, ps in enumerate(chains):
+        adjusted, going = [], True
+        for i, p in enumerate(ps):
+            a = min(1.0, m * p) if going and p is not None else None
+            adjusted.append(a)
+            good = signs[c][i] if signs is not None else True
+            going = going and a is not None and a <= alpha and good
+        out.append(adjusted)
+    return out
+
+
 def binomial_tail(c, n, p):
     """P(X >= c) for X ~ Binomial(n, p)."""
     return sum(math.comb(n, x) * p ** x * (1 - p) ** (n - x) for x in range(max(c, 0), n + 1))

@@ -541,34 +541,71 @@ V4_PLANNED = {"grpo_k": range(4), "p2o_human": range(3), "p2o_human_no_crm": ran
 
 
 def v4_study(avg, pas, whole):
-    """{arm: runs} of the subtraction study as the report reads them (held-out avg@16, pass@16, gold log-prob)."""
-    return {arm: [{"arm": arm, "seed": s, "gold": {"heldout": {"logp_mean": whole[arm][i], "fact_logp": -5.0}},
-                   "sets": {"final": {"heldout": {"overall": {"avg@16": avg[arm][i], "pass@16": pas[arm][i]}}}},
-                   "templates_assigned": 5, "steps": 3, "generated_tokens": 100, "train_seconds": 60.0}
-                  for i, s in enumerate(seeds)] for arm, seeds in V4_PLANNED.items()}
+    """{arm: runs} of the subtraction study as the report reads them: held-out avg@16, pass@16 and the gold
+    log-prob on the hard level (by source); the positive level's scores, which no outcome reads, set apart."""
+    def run(arm, s, i):
+        hard = {"avg@16": avg[arm][i], "pass@16": pas[arm][i]}
+        return {"arm": arm, "seed": s, "templates_assigned": 5, "steps": 3, "generated_tokens": 100,
+                "train_seconds": 60.0,
+                "gold": {"heldout": {"logp_mean": 9.0, "by_source": {report.HARD: {"logp_mean": whole[arm][i]},
+                                                                     "subtract-heldout/pos": {"logp_mean": 9.0}}}},
+                "sets": {"final": {"heldout": {"overall": {"avg@16": 9.0, "pass@16": 9.0}, "by_source": {
+                    report.HARD: hard, "subtract-heldout/pos": {"avg@16": 9.0, "pass@16": 9.0}}}}}}
+    return {arm: [run(arm, s, i) for i, s in enumerate(seeds)] for arm, seeds in V4_PLANNED.items()}
 
 
-def test_v4_report_tests_four_contrasts_per_outcome_in_the_registered_order():
-    avg = {"grpo_k": [0.0, 0.02, 0.0, 0.02], "p2o_human": [0.04, 0.06, 0.05], "p2o_human_no_crm": [0.10, 0.12, 0.11],
-           "rs_distill": [0.08, 0.09, 0.10]}
-    pas = {"grpo_k": [0.0, 0.1, 0.0, 0.1], "p2o_human": [0.5, 0.6, 0.55], "p2o_human_no_crm": [0.5, 0.55, 0.6],
-           "rs_distill": [0.4, 0.5, 0.45]}
-    whole = {arm: [-1.0 - 0.01 * i for i in range(len(s))] for arm, s in V4_PLANNED.items()}
-    text = "\n".join(report.confirm_report("subtract", v4_study(avg, pas, whole), V4_PLANNED, V4, None))
-    assert "**Complete**" in text and "family of the four contrasts" in text and "over the twelve" in text
-    assert "learn rate" not in text  # not registered for this study
-    rows = {(line.split(" | ")[0], line.split(" | ")[1]): line for line in text.splitlines()
+def v4_rows(text):
+    return {(line.split(" | ")[0][2:], line.split(" | ")[1]): line for line in text.splitlines()
             if line.startswith("| held-out") or line.startswith("| gold")}
+
+
+V4_AVG = {"grpo_k": [0.0, 0.02, 0.0, 0.02], "p2o_human": [0.04, 0.06, 0.05], "p2o_human_no_crm": [0.10, 0.12, 0.11],
+          "rs_distill": [0.08, 0.09, 0.10]}
+V4_PASS = {"grpo_k": [0.0, 0.1, 0.0, 0.1], "p2o_human": [0.5, 0.6, 0.55], "p2o_human_no_crm": [0.5, 0.55, 0.6],
+           "rs_distill": [0.4, 0.5, 0.45]}
+V4_WHOLE = {"grpo_k": [-1.0, -1.01, -1.02, -1.03], "p2o_human": [-0.8, -0.81, -0.82],
+            "p2o_human_no_crm": [-1.2, -1.21, -1.22], "rs_distill": [-1.01, -1.02, -1.03]}
+
+
+def test_v4_report_runs_each_contrast_as_its_own_fixed_sequence_over_the_outcomes():
+    text = "\n".join(report.confirm_report("subtract", v4_study(V4_AVG, V4_PASS, V4_WHOLE), V4_PLANNED, V4, None))
+    assert "**Complete**" in text and "Bonferroni over the four contrasts" in text and "over the twelve" in text
+    assert "learn rate" not in text and "no futility rule" in text
+    rows = v4_rows(text)
     assert len(rows) == 12
     # C1 on avg@16 by hand: 0.05 - 0.01; variances 1e-4/3 each side (n 3, and 4 x 1e-4 / 3 over n 4), se 0.008165,
-    # Welch df 4.8 -> 4, t(0.975, 4) 2.7764: +0.040 [+0.017, +0.063]
-    assert "| 3 : 4 | +0.050 : +0.010 | +0.040 | [+0.017, +0.063] |" in rows["| held-out avg@16", "p2o_human - grpo_k"]
-    assert all(rows["| held-out avg@16", f"{a} - {b}"].endswith("**confirmed** |")
-               for a, b in report.STRATEGY_CONTRASTS)
-    # pass@16: the mask contrast is 0 (not confirmed), so the gold family is shut
-    assert not rows["| held-out pass@16", "p2o_human_no_crm - p2o_human"].endswith("**confirmed** |")
-    assert all(rows["| gold answer mean log-prob", f"{a} - {b}"].endswith(
-        "not tested (an earlier outcome was not confirmed in full) |") for a, b in report.STRATEGY_CONTRASTS)
+    # Welch df 4.8 -> 4, t(0.975, 4) 2.7764: +0.040 [+0.017, +0.063]; t = 4.899 on 4 df, two-sided p (closed form
+    # for 4 df, s = t / sqrt(t^2 + 4)) 1 - (3s - s^3) / 2 = 0.00805, adjusted 4p 0.0322
+    assert ("| 3 : 4 | +0.050 : +0.010 | +0.040 | [+0.017, +0.063] | 0.0080 | 0.032 |"
+            in rows["held-out avg@16", "p2o_human - grpo_k"])
+    assert all(rows["held-out avg@16", f"{a} - {b}"].endswith("**confirmed** |") for a, b in report.STRATEGY_CONTRASTS)
+    # pass@16: the mask contrast is 0 (interval +/-0.11: undecided), so only its own chain stops
+    assert rows["held-out pass@16", "p2o_human_no_crm - p2o_human"].endswith("| undecided |")
+    assert rows["gold answer mean log-prob", "p2o_human_no_crm - p2o_human"].endswith(
+        "not tested (this contrast's earlier outcome was not confirmed) |")
+    gold = {c: rows["gold answer mean log-prob", c] for c in ("p2o_human - grpo_k", "p2o_human_no_crm - grpo_k",
+                                                                "rs_distill - grpo_k")}
+    assert gold["p2o_human - grpo_k"].endswith("**confirmed** |")
+    assert gold["p2o_human_no_crm - grpo_k"].endswith("**refuted** (the opposite sign) |")
+    assert gold["rs_distill - grpo_k"].endswith("**refuted** (the interval lies within ±0.05) |")
+
+
+def test_v4_arms_that_do_not_vary_are_never_confirmed_and_refute_only_inside_delta():
+    avg = {**V4_AVG, "grpo_k": [0.0] * 4, "p2o_human": [0.0] * 3, "rs_distill": [0.03] * 3}
+    text = "\n".join(report.confirm_report("subtract", v4_study(avg, V4_PASS, V4_WHOLE), V4_PLANNED, V4, None))
+    rows = v4_rows(text)
+    # both constant and equal: the difference is exactly 0, inside +/-0.02 -> refuted, and its chain stops
+    assert rows["held-out avg@16", "p2o_human - grpo_k"].endswith(
+        "**refuted** (neither arm varies: the difference is exactly +0, within ±0.02) |")
+    assert "| - | 1.0 |" in rows["held-out avg@16", "p2o_human - grpo_k"]  # no test; counted with p 1
+    assert rows["held-out pass@16", "p2o_human - grpo_k"].endswith("not tested (this contrast's earlier outcome "
+                                                                   "was not confirmed) |")
+    # both constant, 0.03 apart: no test can confirm it (an exact p of 0 would have opened the gate)
+    assert rows["held-out avg@16", "rs_distill - grpo_k"].endswith("undecided (neither arm varies) |")
+    assert rows["held-out pass@16", "rs_distill - grpo_k"].endswith("not tested (this contrast's earlier outcome "
+                                                                    "was not confirmed) |")
+    # the unmasked arm still varies: its chain goes on
+    assert rows["held-out avg@16", "p2o_human_no_crm - grpo_k"].endswith("**confirmed** |")
 
 
 def test_the_subtract_task_names_its_registration_and_every_arm_in_it():
@@ -577,3 +614,30 @@ def test_the_subtract_task_names_its_registration_and_every_arm_in_it():
     arms = {a for pair in report.REGISTRATIONS[V4].contrasts for a in pair}
     assert arms == set(task.arms) == set(task.seeds)
     assert not set().union(*map(set, task.seeds.values())) & {0, 1}  # the training pilot's seeds take no part
+
+
+def test_greedy_answers_are_parsed_never_evaluated():
+    assert [report.greedy_answer(t) for t in ("2 − 7 = -5. The answer is \\boxed{-5}.", "\\boxed{−5}", "\\boxed{ 5 }",
+                                             "\\boxed{-5.}", "\\boxed{x}", "no box", "\\boxed{2+3}", None)] == \
+        [-5, -5, 5, -5, None, None, None, None]
+
+
+def test_the_degenerate_policy_guards_by_hand():
+    from data import load_jsonl
+
+    held = load_jsonl("subtract-heldout")[0]
+    hard = [p for p in held if p.source == report.HARD]
+
+    def run(arm, seed, reply, pos):
+        rows = {p.id: {"greedy_response": reply(p), "correct": 0, "k": 16, "greedy": 0} for p in held}
+        return {"arm": arm, "seed": seed, "problems": {("final", "heldout"): rows},
+                "sets": {"final": {"heldout": {"by_source": {"subtract-heldout/pos": {"avg@16": pos}}}}}}
+
+    constant = [run("grpo_k", s, lambda p: "\\boxed{-1}", 0.5) for s in (0, 1)]  # a constant -1
+    flipped = [run("rs_distill", 0, lambda p: f"\\boxed{{{-int(p.answer)}}}", 0.0)]  # right size, wrong sign
+    lines = report.answer_spread_lines({"grpo_k": constant, "rs_distill": flipped}, {"grpo_k": (0, 1), "rs_distill": (0,)})
+    # -1 is the answer of 5 of the 45 (one difference of nine): right and right-sized 5/45 = 0.111, all one answer
+    assert "| grpo_k | 2 | 0.500 | 1.000 | 0.111 | 0.111 |" in lines
+    # the negated answers: every size right, none right, the most common answer one of nine values (5 each)
+    assert "| rs_distill | 1 | 0.000 | 0.111 | 1.000 | 0.000 |" in lines
+    assert len(hard) == 45

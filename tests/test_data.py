@@ -133,9 +133,10 @@ def test_subtraction_splits_are_disjoint_correct_and_the_strategy_holds_no_numbe
     assert subtract.make_splits(seed=0) == splits  # the shipped files are reproducible
     sizes = {name: Counter(p.source for p in rows) for name, rows in splits.items()}
     assert sizes == {"train": {"subtract/neg": 40, "subtract/pos": 20}, "dev": {"subtract/neg": 5, "subtract/pos": 5},
-                     "test": {"subtract/neg": 20, "subtract/pos": 10}, "heldout": {"subtract-heldout/neg": 45}}
+                     "test": {"subtract/neg": 20, "subtract/pos": 10},
+                     "heldout": {"subtract-heldout/neg": 45, "subtract-heldout/pos": 18}}
     problems = [p.problem for rows in splits.values() for p in rows]
-    assert len(set(problems)) == len(problems) == 145  # no problem in two splits
+    assert len(set(problems)) == len(problems) == 163  # no problem in two splits
     operands = {}
     for name, rows in splits.items():
         for p in rows:  # an independent solver, and the level its sign says
@@ -144,7 +145,10 @@ def test_subtraction_splits_are_disjoint_correct_and_the_strategy_holds_no_numbe
             assert p.source.endswith("/neg" if a < b else "/pos")
             operands.setdefault(name, set()).update((a, b))
     assert max(operands["train"] | operands["dev"] | operands["test"]) <= 20 < min(operands["heldout"])
-    assert Counter(p.answer for p in splits["heldout"]) == {str(-d): 5 for d in range(1, 10)}  # no answer above 1/9
+    # as many of each answer, so no one answer is right on more than a ninth of either level
+    assert Counter(p.answer for p in splits["heldout"]) == {str(-d): 5 for d in range(1, 10)} | {
+        str(d): 2 for d in range(1, 10)}
+    assert all(p.solution == p.problem[8:-1] + f" = {p.answer}." for rows in splits.values() for p in rows)
     path = resolve_data("subtract-train").replace("train.jsonl", "strategy.txt")
     assert read_seed_templates(path, 300) == [subtract.STRATEGY]
     assert not re.search(r"\d", subtract.STRATEGY)  # a procedure: no number, so no answer, in the template

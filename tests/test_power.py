@@ -32,16 +32,31 @@ def test_power_is_one_for_a_huge_effect_and_small_without_one():
     assert max(gated["second"]) < 0.1
 
 
-def test_pooled_sd_by_hand():
-    # a: mean 2, squares 2; b: mean 4, squares 8; c adds nothing (one value): sqrt(10 / 3)
-    assert power.pooled_sd({"a": [1, 3], "b": [2, 4, 6], "c": [5]}) == np.sqrt(10 / 3)
 
 
-def test_v4_power_with_two_pilot_seeds_an_arm_uses_the_pooled_spread():
-    two = {arm: [0.0, 0.01] for arm in ARMS}  # every arm alike but its spread: no effect
-    lifted = {**two, "p2o_human": [0.5, 0.51], "p2o_human_no_crm": [1.0, 1.01], "rs_distill": [0.5, 0.51]}
-    got = power.power({"a": lifted}, 6, 6, sims=200, contrasts=power.STRATEGY_CONTRASTS, pooled=True)["a"]
-    assert list(got) == [1.0, 1.0, 1.0, 1.0]  # each contrast 0.5 or more, noise sd 0.5 x 0.0071
-    assert max(power.power({"a": two}, 6, 6, sims=400, contrasts=power.STRATEGY_CONTRASTS, pooled=True)["a"]) < 0.1
-    flat = {arm: [0.0, 0.0] for arm in ARMS}  # no spread anywhere: no test can confirm
-    assert max(power.power({"a": flat}, 6, 6, sims=50, contrasts=power.STRATEGY_CONTRASTS, pooled=True)["a"]) == 0
+def test_pooled_sd_and_its_upper_limit_by_hand():
+    # a: mean 2, squares 2; b: mean 4, squares 8; c adds nothing (one value): sqrt(10 / 3) on 3 df
+    assert power.pooled_sd({"a": [1, 3], "b": [2, 4, 6], "c": [5]}) == (np.sqrt(10 / 3), 3)
+    # chi-square(4)'s 20% quantile is 1.6488: the 80% upper limit is sd x sqrt(4 / 1.6488) = 1.5576 sd
+    assert abs(power.sd_upper(1.0, 4) - 1.5576) < 2e-3
+
+
+def v4_means(shift):
+    """Every arm at 0 on every outcome (the gold log-prob at -1), `shift` (per outcome) added to the non-control arms."""
+    base = {"held-out avg@16": 0.0, "held-out pass@16": 0.0, "gold answer mean log-prob": -1.0}
+    return {name: {arm: b + (0.0 if arm == "grpo_k" else shift[name]) for arm in ARMS} for name, b in base.items()}
+
+
+def test_v4_power_follows_the_registered_chains():
+    sds = {"held-out avg@16": 0.01, "held-out pass@16": 0.05, "gold answer mean log-prob": 0.05}
+    big = {"held-out avg@16": 0.2, "held-out pass@16": 0.5, "gold answer mean log-prob": 0.5}
+    means = v4_means(big)
+    means = {name: {**m, "p2o_human_no_crm": m["p2o_human"] + big[name]} for name, m in means.items()}
+    got = power.strategy_power(means, sds, 6, 6, sims=100)
+    assert all(list(p) == [1.0] * 4 for p in got.values())  # every contrast far above its noise, C4 too
+    none = power.strategy_power(v4_means({n: 0.0 for n in big}), {n: 0.1 for n in sds}, 6, 6, sims=400)
+    assert max(none["held-out avg@16"]) < 0.05  # one-sided confirmations at 0.05 / 4 under no effect
+    # no effect on the first outcome: the chains stop there, whatever the later ones would show
+    first_flat = v4_means({**big, "held-out avg@16": 0.0})
+    gated = power.strategy_power(first_flat, {**sds, "held-out avg@16": 0.1}, 6, 6, sims=200)
+    assert max(gated["gold answer mean log-prob"]) < 0.05

@@ -196,6 +196,25 @@ def test_gatekeeping_controls_the_family_wise_error():
     assert errors / 4000 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 4000)
 
 
+def test_fixed_sequences_by_hand():
+    # two chains, each tested at 0.05 / 2: p x 2, the next of a chain only after a rejection of its own
+    got = stats.fixed_sequences([[0.01, 0.02, 0.2], [0.03, 0.001]])
+    assert got == [[pytest.approx(0.02), pytest.approx(0.04), pytest.approx(0.4)], [pytest.approx(0.06), None]]
+    # the wrong sign stops a chain; a None p (no test) stops it too; one chain never stops another
+    assert stats.fixed_sequences([[0.001, 0.001]], signs=[[False, True]]) == [[pytest.approx(0.001), None]]
+    assert stats.fixed_sequences([[None, 0.001], [0.001, 0.001]]) == [[None, None], [pytest.approx(0.002)] * 2]
+    assert stats.fixed_sequences([[0.6, 0.1]]) == [[pytest.approx(0.6), None]]
+
+
+def test_fixed_sequences_control_the_family_wise_error():
+    # four chains of three, every null true, p uniform and independent: some rejection in at most ~5% of studies
+    rng = np.random.default_rng(5)
+    errors = sum(any(a is not None and a <= 0.05 for chain in stats.fixed_sequences([list(rng.random(3))
+                                                                                      for _ in range(4)])
+                     for a in chain) for _ in range(4000))
+    assert errors / 4000 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 4000)
+
+
 def test_binomial_tail_by_hand():
     assert stats.binomial_tail(0, 5, 0.3) == pytest.approx(1.0)
     assert stats.binomial_tail(5, 5, 0.5) == pytest.approx(1 / 32)
