@@ -129,7 +129,7 @@ TASKS = {
                      budget=30_000, heldout="subtract-heldout", templated=True, score_best=False,
                      greedy_only=("test", "heldout_templated"), gold="heldout", fact="-",
                      seeds={arm: STRATEGY_SEEDS for arm in STRATEGY_ARMS}, prereg="docs/PREREGISTRATION-v4.md",
-                     crm_probe=("What is 24 − 29?", "29 − 24 = 5, so 24 − 29 = -5. The answer is \\boxed{-5}.")),
+                     crm_probe=("What is 24 − 29?", "24 − 29 = -5. The answer is \\boxed{-5}.")),
 }
 DEFAULT_TASKS = ("natural", "fictional")  # what compare.py runs without --tasks
 SEED_TEMPLATES = "<task's seed templates>"  # stands for Task.seed_templates in ARMS
@@ -660,7 +660,9 @@ def write_reports(args, out, plans, explicit_seeds):
                  {task_name: ({arm: plan.task.seeds[arm] for arm in plan.task.arms}, plan.task.prereg,
                               noise_rate(plan.task.noise) if plan.task.noise else None)  # the registered plan,
                   # whatever --arms and --seeds say
-                  for task_name, plan in plans.items() if plan.task.prereg})
+                  for task_name, plan in plans.items() if plan.task.prereg},
+                 {task_name: (plan.task.fact or "13", plan.task.crm_probe[0])  # the made-up units' fact by default
+                  for task_name, plan in plans.items() if plan.task.crm_probe})
 
 
 def main(argv=None):

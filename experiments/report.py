@@ -242,12 +242,14 @@ def contrast_lines(results, contrasts, primary, primary_label):
         [paired_row(f"{a} - {b} | {s['seeds']}", s, fmt_interval(s["t"])) for a, b, s in pairs]
 
 
-def probe_report(results):
-    """The CRM probe (compare.crm_probe) of every run: the fact's token (the "3" of "13") and the
-    whole probe response under the plain prompt, mean over seeds. A token is counted outside the
-    band of its own run's settings (crm_low, crm_high; train.py's defaults where a run sets none)."""
-    lines = ["CRM probe (`experiments/crm_tokens.py` on each final policy; the fact's token is the \"3\" of \"13\" in "
-             "the correct answer to \"How many snigs are in 2 plonks?\"; log-probs at T = 0.6; outside band: log c "
+def probe_report(results, fact="13", question="How many snigs are in 2 plonks?"):
+    """The CRM probe (compare.crm_probe) of every run: the fact's token (the last of those that spell `fact`
+    first, e.g. the "3" of "13") and the whole probe response under the plain prompt, mean over seeds. A token
+    is counted outside the band of its own run's settings (crm_low, crm_high; train.py's defaults where a run
+    sets none)."""
+    which = f"the \"{fact[-1]}\" of \"{fact}\"" if len(fact) > 1 else f"the first \"{fact}\""
+    lines = [f"CRM probe (`experiments/crm_tokens.py` on each final policy; the fact's token is {which} in "
+             f"the correct answer to \"{question}\"; log-probs at T = 0.6; outside band: log c "
              "outside the run's own [log crm_low, log crm_high], by default [-4.61, 2.30], [-9.21, 2.30] for "
              "crm_low 1e-4; a soft CRM down-weights such a token rather than masking it):", "",
              "| arm | runs | fact token log p(x) | its log p(x~) | its log c | outside band | "
@@ -256,7 +258,7 @@ def probe_report(results):
         runs = [r for r in runs if r.get("probe")]
         if not runs:
             continue
-        facts = [fact_token(r["probe"]) for r in runs]
+        facts = [fact_token(r["probe"], fact) for r in runs]
         outside = sum(outside_band(f["log_c"], r.get("settings", {})) for f, r in zip(facts, runs))
         mean = lambda xs: statistics.mean(xs)  # noqa: E731
         lines.append(f"| {arm} | {len(runs)} | {mean(f['logp_plain'] for f in facts):.2f} | "
@@ -280,12 +282,17 @@ def outside_band(log_c, settings):
     return bool(weight.item() == 0.0)
 
 
-def fact_token(rows):
-    """The probe row of the "3" that follows a "1" (the factor 13)."""
-    for prev, row in zip(rows, rows[1:]):
-        if prev["token"].strip() == "1" and row["token"].strip() == "3":
-            return row
-    raise ValueError("the probe response has no '13'")
+def fact_token(rows, fact="13"):
+    """The probe row of the last token of the first run of tokens that spell `fact` (the "3" of "13")."""
+    for start in range(len(rows)):
+        text = ""
+        for row in rows[start:]:
+            text += row["token"].strip()
+            if text == fact:
+                return row
+            if not fact.startswith(text):
+                break
+    raise ValueError(f"the probe response has no {fact!r}")
 
 
 def leak_lines(results):
@@ -342,11 +349,12 @@ def wall_time(task_name, results):
 
 
 def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, families=None, contrasts=None,
-                 confirms=None):
+                 confirms=None, probes=None):
     """report.md (+ one PNG per task) and results.json (every result.json, without per-problem rows).
     commands: {task: the command its runs were made with}; seed_free: {task: arms}; families:
     {task: number of arms compared with the baseline}; contrasts: {task: (arm, other) pairs} (task_report);
-    confirms: {task: (planned {arm: seeds}, pre-registration path, untrained noise rate)} (confirm_report)."""
+    confirms: {task: (planned {arm: seeds}, pre-registration path, untrained noise rate)} (confirm_report);
+    probes: {task: (the CRM probe's fact, its question)} (probe_report; default the made-up units')."""
     lines = ["# P²O against its baselines at an equal budget of generated tokens", "",
              "Runs and their wall time, summed per task: " + "; ".join(
                  wall_time(task_name, results) for task_name, results in all_results.items() if results) + ".", ""]
@@ -366,7 +374,8 @@ def write_report(out, all_results, k, commands, k_templated=8, seed_free=None, f
         if results:
             lines += task_report(task_name, results, k, k_templated, (seed_free or {}).get(task_name, ()),
                                  commands.get(task_name, ""), (families or {}).get(task_name),
-                                 (contrasts or {}).get(task_name, ()), bool(confirm)) + probe_report(results) \
+                                 (contrasts or {}).get(task_name, ()), bool(confirm)) \
+                + probe_report(results, *(probes or {}).get(task_name, ())) \
                 + shaping_report(results) + leak_lines(results)
             png = os.path.join(out, f"{task_name}-dev-vs-tokens.png")
             plot_dev(task_name, results, png)

@@ -459,6 +459,23 @@ def test_quick_confirm_task_scores_gold_logprobs_and_greedy_only_sets(tmp_path):
     assert "**Interim**" in text  # one seed of each of two arms: far from the plan
 
 
+def test_quick_subtract_task_scores_each_level_apart_and_reports_the_v4_study(tmp_path):
+    out = tmp_path / "v4"
+    assert compare.main(["--quick", "--tasks=subtract", "--arms=grpo_k,rs_distill", "--seeds=0", f"--out={out}"]) == 0
+    for run_dir in (out / "subtract" / "untrained", out / "subtract" / "rs_distill" / "seed-0"):
+        result = json.loads((run_dir / "result.json").read_text())
+        rows = [json.loads(line) for line in (run_dir / "gold.jsonl").read_text().splitlines()]
+        hard = [r for r in rows if r["id"].startswith("subtract-heldout-neg")]
+        assert len(rows) == 63 and len(hard) == 45
+        gold = result["gold"]["heldout"]["by_source"]
+        assert gold[report.HARD]["logp_mean"] == pytest.approx(statistics.mean(r["logp_mean"] for r in hard))
+        assert gold["subtract-heldout/pos"]["fact_logp"] is None  # a positive answer has no minus sign
+        assert set(result["sets"]["final"]["heldout"]["by_source"]) == {report.HARD, "subtract-heldout/pos"}
+    text = (out / "report.md").read_text()
+    assert "## subtract: the confirmatory study" in text and "docs/PREREGISTRATION-v4.md" in text
+    assert "**Interim**" in text and "| most common answer's share |" in text
+
+
 def test_commit_run_commits_the_run_folder_and_nothing_else(tmp_path):
     import subprocess
 
@@ -641,3 +658,12 @@ def test_the_degenerate_policy_guards_by_hand():
     # the negated answers: every size right, none right, the most common answer one of nine values (5 each)
     assert "| rs_distill | 1 | 0.000 | 0.111 | 1.000 | 0.000 |" in lines
     assert len(hard) == 45
+
+
+def test_the_probes_fact_token_is_the_last_of_the_first_tokens_that_spell_it():
+    rows = [{"token": t} for t in ("24", " −", " 29", " =", " -", "5", ".", " 13", " 1", "3")]
+    assert report.fact_token(rows, "-") is rows[4]  # the sign of "= -5", not the "−" of the problem
+    assert report.fact_token(rows, "13") is rows[7]  # one token
+    assert report.fact_token(rows[8:], "13") is rows[9]  # or two
+    with pytest.raises(ValueError, match="no '7'"):
+        report.fact_token(rows, "7")
