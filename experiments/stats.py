@@ -123,7 +123,8 @@ def welch(a, b, level=0.95):
     if np.ptp(a) <= scale and np.ptp(b) <= scale:  # neither arm varies (up to rounding): no test
         same = abs(mean) <= scale
         return {"mean": 0.0 if same else mean, "low": mean, "high": mean, "p": float(same), "df": None}
-    df = max(1, math.floor((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))))
+    # rounded down, with room for float noise: a whole-number df (equal variances and sizes) is not one lower
+    df = max(1, math.floor((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) + 1e-9))
     half = t_quantile(0.5 + level / 2, df) * se
     return {"mean": mean, "low": mean - half, "high": mean + half, "p": t_p_two_sided(mean / se, df), "df": df}
 

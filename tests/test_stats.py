@@ -229,3 +229,9 @@ def test_simulated_power_is_the_tests_size_under_the_null_and_grows_with_seeds()
     floor = {"mean": 0.0, "seed_sd": 0.005, "problem_sd": 0.02, "learn_p": 0.2, "learn_effect": 0.15}
     few, many = stats.simulate_power(5, sims=800, **floor), stats.simulate_power(40, sims=800, **floor)
     assert few["power"] < 0.15 < 0.8 < many["power"]  # a lopsided process at the floor needs tens of seeds
+
+
+def test_a_whole_number_welch_df_is_not_rounded_one_too_low():
+    # equal variances and sizes: df = 2 (n - 1) = 4 exactly, which float noise computes as 3.9999...
+    got = stats.welch([13 / 720, 41 / 720, 59 / 720], [8 / 720, 36 / 720, 54 / 720])
+    assert got["df"] == 4
