@@ -92,7 +92,7 @@ CONFIRM_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs
 CONFIRM_SEEDS = tuple(range(100, 114))  # new seeds: 0-4 made the hypothesis (14 an arm: Deviation 1)
 CONFIRM_CONTROL_SEEDS = tuple(range(100, 118))
 STRATEGY_ARMS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill")  # docs/PREREGISTRATION-v4.md
-STRATEGY_SEEDS = tuple(range(200, 210))  # new seeds: 0 and 1 were the training pilot
+STRATEGY_SEEDS = tuple(range(200, 212))  # new seeds: 0 and 1 were the training pilot
 FIVE_SEEDS = ("grpo_k", "p2o_human", "p2o_human_no_crm", "rs_distill", "sft_gold", "p2o_human_crm_low",
               "p2o_human_crm_soft", "p2o_self_official")  # fictional: the arms run on five seeds
 TASKS = {
@@ -642,6 +642,13 @@ def load_run(run_dir):
     return result
 
 
+def registered_runs(results, plan):
+    """Whether a task's finished runs include one of its registered (arm, seed) runs: a folder with none (a
+    pilot's, other seeds) gets no registered analysis."""
+    return any(r["seed"] in plan.task.seeds.get(arm, ()) for arm, runs in results.items() if arm != "untrained"
+               for r in runs)
+
+
 def write_reports(args, out, plans, explicit_seeds):
     """write_report for the finished runs of every planned task."""
     results = collect_results(out, plans)
@@ -660,7 +667,8 @@ def write_reports(args, out, plans, explicit_seeds):
                  {task_name: ({arm: plan.task.seeds[arm] for arm in plan.task.arms}, plan.task.prereg,
                               noise_rate(plan.task.noise) if plan.task.noise else None)  # the registered plan,
                   # whatever --arms and --seeds say
-                  for task_name, plan in plans.items() if plan.task.prereg},
+                  for task_name, plan in plans.items()
+                  if plan.task.prereg and (args.quick or registered_runs(results[task_name], plan))},
                  {task_name: (plan.task.fact or "13", plan.task.crm_probe[0])  # the made-up units' fact by default
                   for task_name, plan in plans.items() if plan.task.crm_probe})
 

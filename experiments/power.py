@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import BASELINE as CONTROL, CONTRASTS, STRATEGY_CONTRASTS, STRATEGY_OUTCOMES  # noqa: E402
 # (the registered contrasts and outcomes, one definition)
-from stats import fixed_sequences, gatekeep, welch, write_lines  # noqa: E402
+from stats import fixed_sequences, gatekeep, paired_test, welch, write_lines  # noqa: E402
 
 PREDICTED = (+1,) * len(CONTRASTS)  # every contrast predicts > 0: unmasked distillation learns more
 FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested in this order (stats.gatekeep)
@@ -110,9 +110,6 @@ def family(data, names):
 
 # ----------------------------------------------------------------------------- the v4 study
 
-BOUNDS = {"held-out avg@16": (0.0, 1.0), "held-out pass@16": (0.0, 1.0), "gold answer mean log-prob": (-np.inf, 0.0)}
-
-
 def pilot(root="results/strategy_pilot/training/subtract"):
     """{outcome: {arm: [per-run value]}} of the v4 study's registered outcomes (report.STRATEGY_OUTCOMES)
     in the training pilot's finished runs (its seeds are not the study's). The pilot scored the 45 hard
@@ -147,21 +144,38 @@ def sd_upper(sd, df, level=0.8, seed=0):
     return sd * float(np.sqrt(df / q))
 
 
-def strategy_power(means, sds, n_arm, n_control, sims=2000, alpha=0.05, seed=0):
-    """{outcome: per-contrast fraction of simulated studies that confirm it} under the v4 analysis: each run's
-    outcome ~ normal(its arm's mean, the outcome's sd), clipped to the outcome's range (BOUNDS: a score below 0
-    is 0, so a control at the floor stays there); Welch per contrast; each contrast a fixed sequence over the
-    outcomes in order, Bonferroni over the contrasts (stats.fixed_sequences). A run's outcomes are drawn
-    independently of each other (the pilot cannot measure their correlation)."""
+COUPLED = (("p2o_human", "grpo_k"), ("p2o_human_no_crm", "grpo_k"), ("p2o_human_no_crm", "p2o_human"))
+# P²O's runs are GRPO (K)'s, step for step, until GEPA first assigns a template (the same seed, the same random
+# numbers): their paired differences are far tighter than the runs. Rejection sampling templates from step 1.
+
+
+def paired_sds(data, upper=False):
+    """{outcome: {contrast: sd of its per-seed paired differences}}: pooled over the coupled contrasts, and for
+    rejection sampling (not coupled) sqrt(2) x the within-arm sd pooled over its two arms; upper: each one's
+    80% upper confidence limit."""
+    out = {}
+    for name, values in data.items():
+        diffs = {c: [x - y for x, y in zip(values[c[0]], values[c[1]])] for c in COUPLED}
+        sd, df = pooled_sd(diffs)
+        loose, loose_df = pooled_sd({arm: values[arm] for arm in ("rs_distill", CONTROL)})
+        sd, loose = (sd_upper(sd, df), sd_upper(loose, loose_df)) if upper else (sd, loose)
+        out[name] = {c: sd if c in COUPLED else np.sqrt(2) * loose for c in STRATEGY_CONTRASTS}
+    return out
+
+
+def strategy_power(means, sds, n, sims=2000, alpha=0.05, seed=0):
+    """{outcome: per-contrast fraction of simulated studies that confirm it} under the v4 analysis: n seeds,
+    each contrast's per-seed paired differences ~ normal(means[outcome][contrast], sds[outcome][contrast]); the
+    paired t-test; each contrast a fixed sequence over the outcomes in order, Bonferroni over the contrasts
+    (stats.fixed_sequences). A seed's outcomes, and its contrasts, are drawn independently (two pilot seeds
+    cannot measure their correlations)."""
     rng = np.random.default_rng(seed)
     names = [name for name, _, _ in STRATEGY_OUTCOMES]
     hits = np.zeros((len(names), len(STRATEGY_CONTRASTS)))
     for _ in range(sims):
         ps, signs = [], []
         for name in names:
-            sample = {arm: np.clip(rng.normal(mu, sds[name], n_control if arm == CONTROL else n_arm), *BOUNDS[name])
-                      for arm, mu in means[name].items()}
-            tests = [welch(sample[a], sample[b]) for a, b in STRATEGY_CONTRASTS]
+            tests = [paired_test(rng.normal(means[name][c], sds[name][c], n)) for c in STRATEGY_CONTRASTS]
             ps.append([1.0 if t["df"] is None else t["p"] for t in tests])
             signs.append([t["mean"] > 0 for t in tests])
         chains = fixed_sequences([list(c) for c in zip(*ps)], alpha, [list(c) for c in zip(*signs)])
@@ -171,53 +185,44 @@ def strategy_power(means, sds, n_arm, n_control, sims=2000, alpha=0.05, seed=0):
 
 
 def scenarios(data):
-    """{label: (means, sds)}: the pilot's arm means, or every effect at the smallest of interest above the
-    pilot's control (P²O and rejection sampling +delta, unmasked P²O +2 delta, so C4 is +delta too); each with
-    the pooled sd, or its 80% upper limit."""
+    """{label: (means, sds)}: each contrast's mean paired difference as in the pilot, or at its smallest effect
+    of interest; each with the pooled sds (paired_sds) or their 80% upper limits."""
     out = {}
     for effect in ("as in the pilot", "at delta"):
-        means = {}
-        for name, _, delta in STRATEGY_OUTCOMES:
-            base = float(np.mean(data[name][CONTROL]))
-            step = {CONTROL: 0.0, "p2o_human": delta, "p2o_human_no_crm": 2 * delta, "rs_distill": delta}
-            means[name] = ({arm: float(np.mean(v)) for arm, v in data[name].items()} if effect == "as in the pilot"
-                           else {arm: base + step[arm] for arm in data[name]})
-        for spread in ("pooled sd", "its 80% upper limit"):
-            sds = {}
-            for name in data:
-                sd, df = pooled_sd(data[name])
-                sds[name] = sd if spread == "pooled sd" else sd_upper(sd, df)
-            out[f"{effect}, {spread}"] = (means, sds)
+        means = {name: {c: (float(np.mean(np.subtract(data[name][c[0]], data[name][c[1]])))
+                            if effect == "as in the pilot" else delta) for c in STRATEGY_CONTRASTS}
+                 for name, _, delta in STRATEGY_OUTCOMES}
+        for spread, upper in (("pooled sd", False), ("its 80% upper limit", True)):
+            out[f"{effect}, {spread}"] = (means, paired_sds(data, upper))
     return out
 
 
 def strategy_main(args):
     """--study=subtract: the v4 study's power (docs/PREREGISTRATION-v4.md) from its training pilot."""
     data = pilot()
-    designs = [tuple(int(x) for x in d.split(":")) for d in args.designs.split(",")]
+    designs = [int(d.split(":")[0]) for d in args.designs.split(",")]
     contrasts = [f"{a} - {b}" for a, b in STRATEGY_CONTRASTS]
     lines = ["# Power of the v4 study (simulated from its training pilot)", "",
-             f"`python experiments/power.py --study=subtract --sims={args.sims}`: each simulated run's outcome is "
-             "normal around its arm's mean with the outcome's sd, clipped to the outcome's range; Welch per "
-             "contrast; each contrast a fixed sequence over the outcomes in the registered order, every test at "
-             "0.05 / 4 (the registered analysis; `strategy_power`). The pilot has two runs an arm, too few for an "
-             "arm's own spread, so the sd is the within-arm sd pooled over the four arms, or (the guard against a "
-             "pilot that saw too little spread) its one-sided 80% upper confidence limit. Means: as in the pilot, "
-             "or every contrast at its smallest effect of interest above the pilot's control. A run's outcomes "
-             "are drawn independently. Two runs an arm measure neither an arm's mean nor its spread well: the "
-             "table is a guide, stated in advance, not a promise.", ""]
+             f"`python experiments/power.py --study=subtract --sims={args.sims}`: the registered analysis "
+             "(`strategy_power`): per seed, each contrast's paired difference drawn normal around its mean; the "
+             "paired t-test; each contrast a fixed sequence over the outcomes in order, every test at 0.05 / 4. "
+             "The pilot has two seeds, so the sds are pooled: over the three contrasts whose arms share each "
+             "seed's run until GEPA's first template (P²O's runs are GRPO (K)'s step for step until then), and "
+             "for rejection sampling, which templates from step 1, sqrt(2) x the within-arm sd of its two arms; "
+             "or, the guard against a pilot that saw too little spread, their one-sided 80% upper confidence "
+             "limits. Means: each contrast as in the pilot, or at its smallest effect of interest. A seed's "
+             "outcomes and contrasts are drawn independently. Two seeds measure neither a mean nor a spread "
+             "well: the table is a guide, stated in advance, not a promise.", ""]
     for name, values in data.items():
-        sd, df = pooled_sd(values)
-        lines.append(f"- {name}: pilot runs " + ", ".join(f"{arm} " + " / ".join(f"{x:+.4f}" for x in v)
-                                                          for arm, v in values.items())
-                     + f"; pooled sd {sd:.4f} ({df} df), 80% upper limit {sd_upper(sd, df):.4f}")
-    lines += ["", "| runs per arm : control | means, sd | outcome | " + " | ".join(contrasts) + " |",
+        lines.append(f"- {name}: pilot runs (seeds 0, 1) " + ", ".join(
+            f"{arm} " + " / ".join(f"{x:+.4f}" for x in v) for arm, v in values.items()) + "; paired sds "
+            + ", ".join(f"{a} - {b} {paired_sds(data)[name][(a, b)]:.4f}" for a, b in STRATEGY_CONTRASTS))
+    lines += ["", "| seeds (every arm) | means, sd | outcome | " + " | ".join(contrasts) + " |",
               "|---|---|---|" + "---|" * len(contrasts)]
-    for n_arm, n_control in designs:
+    for n in designs:
         for label, (means, sds) in scenarios(data).items():
-            for outcome, p in strategy_power(means, sds, n_arm, n_control, args.sims).items():
-                lines.append(f"| {n_arm} : {n_control} | {label} | {outcome} | "
-                             + " | ".join(f"{x:.2f}" for x in p) + " |")
+            for outcome, p in strategy_power(means, sds, n, args.sims).items():
+                lines.append(f"| {n} | {label} | {outcome} | " + " | ".join(f"{x:.2f}" for x in p) + " |")
                 print(lines[-1], flush=True)
     write_lines(args.out or "results/subtract/power.md", lines + [""])
     return 0
@@ -228,11 +233,12 @@ def main(argv=None):
     ap.add_argument("--study", default="confirm", choices=("confirm", "subtract"),
                     help="confirm: docs/PREREGISTRATION.md; subtract: docs/PREREGISTRATION-v4.md")
     ap.add_argument("--sims", type=int, default=2000)
-    ap.add_argument("--designs", default=None, help="seeds per arm:seeds of the control, ... (default: the study's)")
+    ap.add_argument("--designs", default=None, help="seeds per arm:seeds of the control, ... (subtract: seeds, "
+                    "every arm; default: the study's)")
     ap.add_argument("--out", default=None, help="default: results/<study>/power.md")
     args = ap.parse_args(argv)
     if args.study == "subtract":
-        args.designs = args.designs or "6:6,8:8,10:10,12:12"
+        args.designs = args.designs or "8,10,12,14"
         return strategy_main(args)
     args.designs, args.out = args.designs or "10:14,12:16,14:18,16:20", args.out or "results/confirm/power.md"
     data = committed()

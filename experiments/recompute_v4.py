@@ -9,10 +9,12 @@ problems.jsonl, gold.jsonl}, OUT/subtract/untrained/) and OUT/report.md:
   from result.json against the same recomputed from problems.jsonl, the gold answer mean log-prob
   against gold.jsonl (and the positive level's avg@16, which the guard table shows); any difference
   beyond 1e-9 is flagged;
-- the four contrasts x three outcomes as the pre-registration words them: Welch's test (df
-  Welch-Satterthwaite rounded down, at least 1), adjusted p = min(1, 4p), one fixed sequence per
-  contrast over avg@16 -> pass@16 -> gold, "neither arm varies" (no test, counted as p = 1), the
-  paired t-interval over shared seeds, verdicts, "interim" until every registered run is in;
+- the four contrasts x three outcomes as the pre-registration words them: the paired t-test over the
+  seeds both arms ran (per-seed differences a - b, df = n - 1, two-sided; fewer than two shared seeds:
+  "too few runs"), adjusted p = min(1, 4p), one fixed sequence per contrast over avg@16 -> pass@16 ->
+  gold, "the paired differences do not vary" (no test, counted as p = 1, the difference exact), the
+  verdicts on the paired interval, "interim" until every registered run is in; each arm's mean over all
+  its runs, and beside the test Welch's unpaired interval (df Welch-Satterthwaite rounded down, >= 1);
 - the described guard table (positive held-out avg@16; of the 45 hard problems' greedy answers the
   most common answer's share, the share of the right size, the share right);
 - then every cell of report.md's confirmatory and guard tables against these, formatted alike.
@@ -45,7 +47,7 @@ HARD, POS = "subtract-heldout/neg", "subtract-heldout/pos"
 PREFIX = {HARD: "subtract-heldout-neg", POS: "subtract-heldout-pos"}
 ALPHA, TESTS = 0.05, len(CONTRASTS)
 DEFAULT_SEEDS = "200-209"
-COLUMNS = ("runs", "means", "difference", "Welch 95%", "p", "adjusted p", "paired 95%", "verdict")
+COLUMNS = ("runs", "means", "difference", "paired 95%", "p", "adjusted p", "Welch 95%", "verdict")
 GUARD_COLUMNS = ("runs", "positive held-out avg@16", "most common answer's share", "right size", "right")
 NUMBER = re.compile(r"[+-]?\d+(?:\.\d*)?(?:e[+-]?\d+)?")
 
@@ -129,12 +131,20 @@ def welch(a, b):
     return {"diff": diff, "low": diff - half, "high": diff + half, "p": t_two_sided(diff / se, df), "df": df}
 
 
-def paired_interval(diffs):
-    """The paired Student-t 95% interval of the mean difference (>= 2 seeds), or None."""
+def paired_test(diffs):
+    """{"diff", "low", "high", "p", "df"}: the paired t-test of per-seed differences a - b (>= 2 of them),
+    df = n - 1, two-sided p, 95% interval; None below two. Differences that do not vary (up to 1e-12
+    relative): no test (p and df None), the difference exact (0 when it is 0 up to that rounding), the
+    interval that point."""
     if len(diffs) < 2:
         return None
-    half = t_quantile(0.975, len(diffs) - 1) * math.sqrt(variance(diffs) / len(diffs))
-    return mean(diffs) - half, mean(diffs) + half
+    m = mean(diffs)
+    if constant(diffs):
+        tiny = 1e-12 * max(1.0, max(abs(d) for d in diffs))
+        return {"diff": 0.0 if abs(m) <= tiny else m, "low": m, "high": m, "p": None, "df": None}
+    df, se = len(diffs) - 1, math.sqrt(variance(diffs) / len(diffs))
+    half = t_quantile(0.975, df) * se
+    return {"diff": m, "low": m - half, "high": m + half, "p": t_two_sided(m / se, df), "df": df}
 
 
 def verdict(test, adjusted, delta, complete):
@@ -147,9 +157,9 @@ def verdict(test, adjusted, delta, complete):
         return "not tested (this contrast's earlier outcome was not confirmed)"
     if test["df"] is None:
         if abs(test["diff"]) < delta:
-            return (f"**refuted** (neither arm varies: the difference is exactly {test['diff']:+.3g}, "
-                    f"within ±{delta:g})")
-        return "undecided (neither arm varies)"
+            return (f"**refuted** (the paired differences do not vary: the difference is exactly "
+                    f"{test['diff']:+.3g}, within ±{delta:g})")
+        return "undecided (the paired differences do not vary)"
     if adjusted <= ALPHA:
         return "**confirmed**" if test["diff"] > 0 else "**refuted** (the opposite sign)"
     if -delta < test["low"] and test["high"] < delta:
@@ -176,28 +186,30 @@ def interval_cell(iv):
 
 def contrast_cells(values, complete):
     """{(outcome, "a - b"): {column: (shown, its numbers or None)}}: values {outcome: {arm: {seed: value}}};
-    each contrast one fixed sequence over the outcomes, in the registered order."""
+    each contrast one fixed sequence over the outcomes, in the registered order, tested paired over the
+    seeds both arms ran (fewer than two: no test, and the sequence stops)."""
     table = {}
     for a, b in CONTRASTS:
         going = True
         for name, delta in OUTCOMES:
             va, vb = values[name][a], values[name][b]
-            if len(va) < 2 or len(vb) < 2:
+            shared = sorted(va.keys() & vb.keys())
+            test = paired_test([va[s] - vb[s] for s in shared])
+            if test is None:
                 table[name, f"{a} - {b}"] = dict.fromkeys(COLUMNS[:-1], ("-", None)) | {
                     "verdict": (verdict(None, None, delta, complete), None)}
                 going = False
                 continue
-            test = welch(list(va.values()), list(vb.values()))
             adjusted = min(1.0, TESTS * (1.0 if test["p"] is None else test["p"])) if going else None
             going = adjusted is not None and adjusted <= ALPHA and test["diff"] > 0
-            shared = sorted(va.keys() & vb.keys())
             ma, mb = mean(list(va.values())), mean(list(vb.values()))
+            unpaired = welch(list(va.values()), list(vb.values())) if len(va) >= 2 and len(vb) >= 2 else None
             table[name, f"{a} - {b}"] = {
                 "runs": (f"{len(va)} : {len(vb)}", None), "means": (f"{signed(ma)} : {signed(mb)}", (ma, mb)),
                 "difference": (signed(test["diff"]), (test["diff"],)),
-                "Welch 95%": interval_cell((test["low"], test["high"])), "p": p_cell(test["p"]),
+                "paired 95%": interval_cell((test["low"], test["high"])), "p": p_cell(test["p"]),
                 "adjusted p": p_cell(adjusted),
-                "paired 95%": interval_cell(paired_interval([va[s] - vb[s] for s in shared])),
+                "Welch 95%": interval_cell(unpaired and (unpaired["low"], unpaired["high"])),
                 "verdict": (verdict(test, adjusted, delta, complete), None)}
     return table
 
@@ -404,7 +416,8 @@ def parse_seeds(spec):
 
 def registered_seeds(spec, prereg=PREREG):
     """(seeds of every arm, where they came from): --seeds, else the pre-registration's "Seeds" line when its
-    first sentence is a plain list or range naming no arm, else the default 200-209."""
+    first sentence is a plain list or range, alone or "for every arm" (a remark may follow), else the
+    default 200-209."""
     if spec:
         return parse_seeds(spec), "--seeds"
     line = ""
@@ -412,9 +425,9 @@ def registered_seeds(spec, prereg=PREREG):
         with open(prereg) as f:
             line = next((x for x in f if x.lstrip("- ").startswith("**Seeds**")), "")
     first = line.partition(":")[2].partition(".")[0].strip()
-    plain = re.fullmatch(r"\d+(\s*[-\u2013,]\s*\d+)*(\s+for every arm)?", first)
+    plain = re.fullmatch(r"(\d+(?:\s*[-\u2013,]\s*\d+)*)(?:\s*|\s+for every arm(?:\W.*)?)", first)
     if plain:
-        return parse_seeds(first.replace("for every arm", "")), "the pre-registration's Seeds line"
+        return parse_seeds(plain.group(1)), "the pre-registration's Seeds line"
     return parse_seeds(DEFAULT_SEEDS), f"the default (the pre-registration's Seeds line reads {first!r})"
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from plot import read_jsonl  # the repository root is on sys.path (compare.py puts it there)
 from verify import last_boxed
-from stats import barnard, binomial_tail, fixed_sequences, gatekeep, hierarchical_bootstrap, holm, sign_flip_p, t_interval, welch
+from stats import barnard, binomial_tail, fixed_sequences, gatekeep, hierarchical_bootstrap, holm, paired_test, sign_flip_p, t_interval, welch
 
 BASELINE = "grpo_k"
 MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds it says nothing useful
@@ -416,6 +416,8 @@ class Registration:
     multiplicity: str = "serial"
     exact_refutes: bool = False  # neither arm varies and their difference lies within +/- delta: refuted
     described: object = None  # results, planned -> markdown lines of registered descriptive secondaries
+    test: str = "welch"  # "welch": unpaired, the paired interval beside; "paired": the t-test over shared seeds,
+    # Welch's interval beside
 
 
 def by_source(run, set_name, source, key):
@@ -466,7 +468,7 @@ def answer_spread_lines(results, planned):
         right = [sum(v == answers[pid] for pid, v in g.items()) / len(g) for g in got]
         pos = [by_source(r, "heldout", "subtract-heldout/pos", "avg@16") for r in runs]
         pos = [x for x in pos if x is not None]
-        lines.append(f"| {arm} | {len(runs)} | " + (f"{statistics.mean(pos):.3f}" if pos else "-")
+        lines.append(f"| {arm} | {len(got)} | " + (f"{statistics.mean(pos):.3f}" if pos else "-")
                      + f" | {statistics.mean(common):.3f} | {statistics.mean(size):.3f} | {statistics.mean(right):.3f} |")
     return lines + [""]
 
@@ -475,7 +477,7 @@ REGISTRATIONS = {  # pre-registration file -> what it fixed
     "docs/PREREGISTRATION.md": Registration(CONTRASTS, OUTCOMES, GEPA_ARMS),
     "docs/PREREGISTRATION-v4.md": Registration(STRATEGY_CONTRASTS, STRATEGY_OUTCOMES, (), learn_rate=False,
                                                multiplicity="per_contrast", exact_refutes=True,
-                                               described=answer_spread_lines),
+                                               described=answer_spread_lines, test="paired"),
 }
 COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 9: "nine", 12: "twelve"}
 
@@ -512,9 +514,11 @@ def verdict(test, adjusted, delta, sign, complete, reg=None):
     if not complete:
         return "undecided (interim)"
     if test["df"] is None:
+        still = "the paired differences do not vary" if reg is not None and reg.test == "paired" else \
+            "neither arm varies"
         if reg is not None and reg.exact_refutes and abs(test["mean"]) < delta:
-            return f"**refuted** (neither arm varies: the difference is exactly {test['mean']:+.3g}, within ±{delta:g})"
-        return "undecided (neither arm varies)"
+            return f"**refuted** ({still}: the difference is exactly {test['mean']:+.3g}, within ±{delta:g})"
+        return f"undecided ({still})"
     if adjusted <= ALPHA:
         return "**confirmed**" if test["mean"] * sign > 0 else "**refuted** (the opposite sign)"
     if -delta < test["low"] and test["high"] < delta:
@@ -579,15 +583,24 @@ def registered_lines(reg, stopped):
                   f"{', '.join(stopped)}. Their contrasts are not tested and count as not confirmed, so no later "
                   "outcome is tested.", ""]
     if reg.multiplicity == "per_contrast":
-        how = (f"Welch's unpaired test (df rounded down), each contrast a fixed sequence over the outcomes in order "
+        test = ("the paired t-test over the seeds both arms ran (the arms share each seed's random numbers)"
+                if reg.test == "paired" else "Welch's unpaired test (df rounded down)")
+        how = (f"{test}, each contrast a fixed sequence over the outcomes in order "
                f"(the next only when this one is confirmed with its predicted sign), every test at 0.05 / "
                f"{len(reg.contrasts)} (Bonferroni over the {n} contrasts; adjusted p = {len(reg.contrasts)} p)")
     else:
         how = (f"each outcome a family of the {n} contrasts, Welch's unpaired test (df rounded down), Holm within the "
                f"family at 0.05, the families in order (serial gatekeeping: the next only when all {n} of this one "
                "are confirmed with their predicted sign)")
-    exact = (" Where neither arm varies there is no test (p shown as -, never confirmed); the difference is then "
+    still = "the paired differences do not vary" if reg.test == "paired" else "neither arm varies"
+    exact = (f" Where {still} there is no test (p shown as -, never confirmed); the difference is then "
              "exact, and refutes when it lies inside ± the smallest effect of interest.") if reg.exact_refutes else ""
+    if reg.test == "paired":
+        return lines + [f"Primary analysis: {how}. Refuted by the interval: the unadjusted paired 95% interval "
+                        "inside ± the smallest effect of interest (only false confirmations are held to 0.05 over the "
+                        f"{tests}).{exact} Beside it, for reference: Welch's unpaired interval.", "",
+                        "| outcome | contrast (predicted > 0) | runs | means | difference | paired 95% | p | adjusted p "
+                        "| Welch 95% | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     return lines + [f"Primary analysis: {how}. Refuted by the interval: the "
                     "unadjusted Welch 95% interval inside ± the smallest effect of interest (only false confirmations "
                     f"are held to 0.05 over the {tests}).{exact} Paired: the t-interval over the seeds both arms ran.",
@@ -606,10 +619,15 @@ def contrast_rows(reg, results, stopped):
                 continue
             va = {r["seed"]: value(r) for r in results.get(a, []) if value(r) is not None}
             vb = {r["seed"]: value(r) for r in results.get(b, []) if value(r) is not None}
-            test = welch(list(va.values()), list(vb.values())) if len(va) >= 2 and len(vb) >= 2 else None
+            unpaired = welch(list(va.values()), list(vb.values())) if len(va) >= 2 and len(vb) >= 2 else None
             common = sorted(va.keys() & vb.keys())
-            pair = t_interval([va[s] - vb[s] for s in common])[1:] if len(common) >= 2 else None
-            rows.append((name, a, b, test, (va, vb, pair), delta))
+            if reg.test == "paired":
+                test = paired_test([va[s] - vb[s] for s in common]) if len(common) >= 2 else None
+                beside = (unpaired["low"], unpaired["high"]) if unpaired else None
+            else:
+                test = unpaired
+                beside = t_interval([va[s] - vb[s] for s in common])[1:] if len(common) >= 2 else None
+            rows.append((name, a, b, test, (va, vb, beside), delta))
     return rows
 
 

@@ -129,6 +129,23 @@ def welch(a, b, level=0.95):
     return {"mean": mean, "low": mean - half, "high": mean + half, "p": t_p_two_sided(mean / se, df), "df": df}
 
 
+def paired_test(diffs, level=0.95):
+    """The paired t-test of per-seed differences (>= 2): {"mean", "low", "high", "p", "df"} as welch gives
+    them, df = n - 1. Differences that do not vary at all (up to rounding): df None, p 1 when they are 0 and
+    0 otherwise, the interval the point."""
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size < 2:
+        raise ValueError(f"a paired test needs at least 2 seeds, got {d.size}")
+    mean = d.mean()
+    scale = 1e-12 * max(1.0, float(np.abs(d).max()))
+    if np.ptp(d) <= scale:
+        same = abs(mean) <= scale
+        return {"mean": 0.0 if same else mean, "low": mean, "high": mean, "p": float(same), "df": None}
+    se, df = d.std(ddof=1) / math.sqrt(d.size), d.size - 1
+    half = t_quantile(0.5 + level / 2, df) * se
+    return {"mean": mean, "low": mean - half, "high": mean + half, "p": t_p_two_sided(mean / se, df), "df": df}
+
+
 def holm(pvalues):
     """Holm-adjusted p-values in the given order: the i-th smallest p times (m - i + 1), made
     non-decreasing in that order, capped at 1. Reject hypothesis j at family-wise level alpha

@@ -4,6 +4,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
 import power  # noqa: E402
@@ -42,21 +43,29 @@ def test_pooled_sd_and_its_upper_limit_by_hand():
 
 
 def v4_means(shift):
-    """Every arm at 0 on every outcome (the gold log-prob at -1), `shift` (per outcome) added to the non-control arms."""
-    base = {"held-out avg@16": 0.0, "held-out pass@16": 0.0, "gold answer mean log-prob": -1.0}
-    return {name: {arm: b + (0.0 if arm == "grpo_k" else shift[name]) for arm in ARMS} for name, b in base.items()}
+    """Every contrast's mean paired difference, per outcome."""
+    return {name: {c: shift[name] for c in power.STRATEGY_CONTRASTS} for name in shift}
 
 
 def test_v4_power_follows_the_registered_chains():
-    sds = {"held-out avg@16": 0.01, "held-out pass@16": 0.05, "gold answer mean log-prob": 0.05}
+    sds = {n: {c: 0.01 for c in power.STRATEGY_CONTRASTS} for n in ("held-out avg@16", "held-out pass@16",
+                                                                    "gold answer mean log-prob")}
     big = {"held-out avg@16": 0.2, "held-out pass@16": 0.5, "gold answer mean log-prob": 0.5}
-    means = v4_means(big)
-    means = {name: {**m, "p2o_human_no_crm": m["p2o_human"] + big[name]} for name, m in means.items()}
-    got = power.strategy_power(means, sds, 6, 6, sims=100)
-    assert all(list(p) == [1.0] * 4 for p in got.values())  # every contrast far above its noise, C4 too
-    none = power.strategy_power(v4_means({n: 0.0 for n in big}), {n: 0.1 for n in sds}, 6, 6, sims=400)
+    got = power.strategy_power(v4_means(big), sds, 6, sims=100)
+    assert all(list(p) == [1.0] * 4 for p in got.values())  # every contrast far above its noise
+    wide = {n: {c: 0.1 for c in power.STRATEGY_CONTRASTS} for n in sds}
+    none = power.strategy_power(v4_means({n: 0.0 for n in big}), wide, 6, sims=400)
     assert max(none["held-out avg@16"]) < 0.05  # one-sided confirmations at 0.05 / 4 under no effect
     # no effect on the first outcome: the chains stop there, whatever the later ones would show
-    first_flat = v4_means({**big, "held-out avg@16": 0.0})
-    gated = power.strategy_power(first_flat, {**sds, "held-out avg@16": 0.1}, 6, 6, sims=200)
+    gated = power.strategy_power(v4_means({**big, "held-out avg@16": 0.0}), wide, 6, sims=200)
     assert max(gated["gold answer mean log-prob"]) < 0.05
+
+
+def test_v4_paired_sds_pool_the_coupled_contrasts_by_hand():
+    data = {"x": {"grpo_k": [0.0, 0.1], "p2o_human": [0.0, 0.2], "p2o_human_no_crm": [0.1, 0.2],
+                  "rs_distill": [0.3, 0.1]}}
+    # coupled differences: (0, 0.1), (0.1, 0.1), (0.1, 0): squares 0.005 + 0 + 0.005 over 3 df -> sqrt(1/300)
+    # rejection sampling: within-arm sds of rs (0.3, 0.1) and grpo (0, 0.1): squares 0.02 + 0.005 over 2 df
+    sds = power.paired_sds(data)["x"]
+    assert sds[("p2o_human", "grpo_k")] == pytest.approx(np.sqrt(1 / 300))
+    assert sds[("rs_distill", "grpo_k")] == pytest.approx(np.sqrt(2) * np.sqrt(0.025 / 2))

@@ -17,7 +17,8 @@ import recompute_v4 as rc  # noqa: E402
 from data import load_jsonl  # noqa: E402
 
 SEEDS = (200, 201, 202)
-# hard-level rate of a correct sample: grpo_k and p2o_human never solve one (neither arm varies on avg@16)
+# hard-level rate of a correct sample: grpo_k and p2o_human never solve one (on avg@16 neither arm varies, nor do
+# their paired differences)
 RATES = {"grpo_k": 0.0, "p2o_human": 0.0, "p2o_human_no_crm": 0.3, "rs_distill": 0.05}
 GOLD = {"grpo_k": -1.0, "p2o_human": -0.9, "p2o_human_no_crm": -0.6, "rs_distill": -1.0}
 
@@ -41,8 +42,42 @@ def test_welch_and_paired_by_hand():
     assert rc.welch([0.0] * 3, [0.1, 0.2, 0.3])["df"] == 2  # one arm constant: the other's n - 1
     # equal variances and sizes: exactly 2 (n - 1) = 4, which float noise must not round down to 3
     assert rc.welch([13 / 720, 41 / 720, 59 / 720], [8 / 720, 36 / 720, 54 / 720])["df"] == 4
-    low, high = rc.paired_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(0.975, 2) 4.3027
-    assert (low, high) == pytest.approx((2 - 4.302653 / 3 ** 0.5, 2 + 4.302653 / 3 ** 0.5), abs=1e-5)
+    t = rc.paired_test([1.0, 2.0, 3.0])  # mean 2, sd 1, t(0.975, 2) 4.3027
+    assert (t["low"], t["high"]) == pytest.approx((2 - 4.302653 / 3 ** 0.5, 2 + 4.302653 / 3 ** 0.5), abs=1e-5)
+    # differences 0.04, 0.04, 0.05: mean 0.04333, sd 0.005774, se 0.003333, t = 13 on 2 df; two-sided p (closed
+    # form for 2 df) 1 - t / sqrt(t^2 + 2) = 0.005865; interval 0.04333 -/+ 4.302653 x 0.003333
+    t = rc.paired_test([0.04, 0.04, 0.05])
+    assert t["df"] == 2 and t["diff"] == pytest.approx(0.13 / 3)
+    assert t["p"] == pytest.approx(1 - 13 / 171 ** 0.5, abs=1e-9)
+    assert (t["low"], t["high"]) == pytest.approx((0.13 / 3 - 4.302653 / 300, 0.13 / 3 + 4.302653 / 300), abs=1e-7)
+    # differences that do not vary: no test, the difference exact (0 when it is 0 up to rounding)
+    assert rc.paired_test([0.1, 0.1, 0.11 - 0.01]) == {"diff": pytest.approx(0.1), "low": pytest.approx(0.1),
+                                                       "high": pytest.approx(0.1), "p": None, "df": None}
+    assert rc.paired_test([1e-17, 0.0, -1e-17])["diff"] == 0.0
+    assert rc.paired_test([0.3]) is None  # one shared seed: no test
+
+
+def test_contrast_cells_pair_the_shared_seeds_and_average_every_run():
+    # grpo_k 0, 0, 0.01; p2o_human 0.04, 0.04, 0.06: differences 0.04, 0.04, 0.05 (the hand case above); the
+    # unmasked arm shares no seed with grpo_k or p2o_human (2 runs each): too few runs; rs_distill has a fourth
+    # seed that its mean counts and the paired difference (0.1 on every shared seed: no spread) does not
+    arms = {"grpo_k": {200: 0.0, 201: 0.0, 202: 0.01}, "p2o_human": {200: 0.04, 201: 0.04, 202: 0.06},
+            "p2o_human_no_crm": {203: 0.5, 204: 0.5}, "rs_distill": {200: 0.1, 201: 0.1, 202: 0.11, 205: 0.5}}
+    cells = rc.contrast_cells({name: arms for name, _ in rc.OUTCOMES}, complete=True)
+    shown = lambda key: " | ".join(v for v, _ in cells[key].values())  # noqa: E731
+    # adjusted 4 x 0.005865 = 0.023; Welch beside it: 0.04667 - 0.00333, se sqrt(1.333e-4/3 + 3.333e-5/3) 0.007454,
+    # df (5e-5)^2 / ((4.444e-5)^2 / 2 + (1.111e-5)^2 / 2) = 2.35 -> 2, t 4.3027: [+0.011, +0.075]
+    assert shown(("held-out avg@16", "p2o_human - grpo_k")) == (
+        "3 : 3 | +0.047 : +0.003 | +0.043 | [+0.029, +0.058] | 0.0059 | 0.023 | [+0.011, +0.075] | **confirmed**")
+    assert shown(("gold answer mean log-prob", "p2o_human - grpo_k")).endswith("**confirmed**")  # its chain goes on
+    assert shown(("held-out avg@16", "p2o_human_no_crm - grpo_k")) == "- | - | - | - | - | - | - | undecided (too few runs)"
+    assert shown(("held-out pass@16", "p2o_human_no_crm - p2o_human")).endswith("undecided (too few runs)")
+    assert shown(("held-out avg@16", "rs_distill - grpo_k")).startswith("4 : 3 | +0.203 : +0.003 | +0.100 | no spread | - | 1.0 | [")
+    assert shown(("held-out avg@16", "rs_distill - grpo_k")).endswith("undecided (the paired differences do not vary)")
+    assert shown(("held-out pass@16", "rs_distill - grpo_k")).endswith(
+        "not tested (this contrast's earlier outcome was not confirmed)")
+    assert rc.contrast_cells({name: arms for name, _ in rc.OUTCOMES}, complete=False)[
+        "held-out avg@16", "p2o_human - grpo_k"]["verdict"] == ("undecided (interim)", None)
 
 
 def test_boxed_answers_are_parsed_never_evaluated():
@@ -51,10 +86,11 @@ def test_boxed_answers_are_parsed_never_evaluated():
     assert got == [-5, -5, 5, -5, None, None, None, None, None]
 
 
-def write_run(run_dir, arm, seed, rate, gold_level, spread=0.03):
+def write_run(run_dir, arm, seed, rate, gold_level, spread=0.03, twin=None, gold_exact=None):
     """A run's result.json, problems.jsonl and gold.jsonl, the summaries computed from the rows; spread:
-    the sd of the run's gold log-prob offset."""
-    rng = random.Random(f"{arm}-{seed}")
+    the sd of the run's gold log-prob offset; twin: the arm whose run of this seed it repeats draw for draw;
+    gold_exact: every problem's gold log-prob (the same draws made, then set aside)."""
+    rng = random.Random(f"{twin or arm}-{seed}")
     rows, gold = [], []
     offset = rng.gauss(0.0, spread)
     for p in load_jsonl("subtract-heldout")[0]:
@@ -65,7 +101,8 @@ def write_run(run_dir, arm, seed, rate, gold_level, spread=0.03):
         rows.append({"set": "heldout", "templated": False, "id": p.id, "greedy": int(str(answer) in reply),
                      "correct": correct, "k": 16, "greedy_response": reply, "checkpoint": "final"})
         rows.append({**rows[-1], "set": "heldout_templated", "correct": 8, "k": 8})  # read by neither
-        gold.append({"id": p.id, "logp_mean": gold_level + offset + rng.gauss(0.0, 0.05), "fact_logp": None})
+        logp = gold_level + offset + rng.gauss(0.0, 0.05)
+        gold.append({"id": p.id, "logp_mean": logp if gold_exact is None else gold_exact, "fact_logp": None})
     by_source = {}
     for source, prefix in rc.PREFIX.items():
         mine = [r for r in rows if r["set"] == "heldout" and r["id"].startswith(prefix)]
@@ -84,13 +121,16 @@ def write_run(run_dir, arm, seed, rate, gold_level, spread=0.03):
             f.write("".join(json.dumps(r) + "\n" for r in lines))
 
 
-def make_study(out, rates=RATES, gold=GOLD, spread=0.03):
+def make_study(out, rates=RATES, gold=GOLD, spread=0.03, twins=None, exact=None):
+    """twins {arm: the arm whose runs it repeats}; exact {arm: {seed: every problem's gold log-prob}}."""
     study = os.path.join(out, "subtract")
     write_run(os.path.join(study, "untrained"), "untrained", None, 0.01, -1.0)
     write_run(os.path.join(study, "grpo_k", "seed-0"), "grpo_k", 0, 0.9, 0.0)  # the pilot: takes no part
     for arm in rc.ARMS:
+        like = (twins or {}).get(arm, arm)
         for seed in SEEDS:
-            write_run(os.path.join(study, arm, f"seed-{seed}"), arm, seed, rates[arm], gold[arm], spread)
+            write_run(os.path.join(study, arm, f"seed-{seed}"), arm, seed, rates[like], gold[like], spread,
+                      twin=like, gold_exact=(exact or {}).get(like, {}).get(seed))
 
 
 def write_report(out):
@@ -138,9 +178,11 @@ def test_the_recomputation_agrees_with_the_report_and_names_a_corrupted_cell(tmp
     code, printed = run(tmp_path, capsys)
     assert code == 0, printed
     assert "0 cells of" in printed and "0 per-run mismatches" in printed
-    # grpo_k and p2o_human all 0 on avg@16: no test, p counted as 1, refuted exactly; the chain stops
+    # grpo_k and p2o_human all 0 on avg@16: the paired differences do not vary (nor does either arm, so Welch's
+    # interval has no spread either): no test, p counted as 1, refuted exactly; the chain stops
     assert ("| held-out avg@16 | p2o_human - grpo_k | 3 : 3 | +0.000 : +0.000 | +0.000 | no spread | - | 1.0 | "
-            "no spread | **refuted** (neither arm varies: the difference is exactly +0, within ±0.02) |") in printed
+            "no spread | **refuted** (the paired differences do not vary: the difference is exactly +0, "
+            "within ±0.02) |") in printed
     assert "| held-out pass@16 | p2o_human - grpo_k |" in printed and "not tested (this contrast's" in printed
     assert "| untrained | 1 |" in printed and "| rs_distill | 3 |" in printed  # the guard table
     edit_row(str(tmp_path), "| held-out avg@16 | rs_distill - grpo_k |", 6, "0.50")  # the p column
@@ -196,11 +238,43 @@ def test_chains_that_reach_the_gold_outcome_agree_too(tmp_path, capsys):
         "**refuted** (the interval lies within ±0.05) |")
 
 
+def test_paired_differences_that_vary_and_do_not_agree_with_the_report(tmp_path, capsys):
+    # grpo_k never solves one and its gold log-prob is -1.0 on every seed; the unmasked arm solves 10% and its gold
+    # log-prob is -0.96, -0.96, -0.95: differences 0.04, 0.04, 0.05 (the hand case) once avg@16 and pass@16 are
+    # confirmed. p2o_human repeats the unmasked arm's runs draw for draw (the mask changed nothing): the arms vary,
+    # their paired differences are all 0. rs_distill solves every sample: 1 - 0 on every seed, no spread, >= delta.
+    rates = {**RATES, "p2o_human_no_crm": 0.1, "rs_distill": 1.0}
+    exact = {"grpo_k": dict.fromkeys(SEEDS, -1.0), "p2o_human_no_crm": {200: -0.96, 201: -0.96, 202: -0.95}}
+    make_study(str(tmp_path), rates, twins={"p2o_human": "p2o_human_no_crm"}, exact=exact)
+    write_report(str(tmp_path))
+    code, printed = run(tmp_path, capsys)
+    assert code == 0, printed
+    rows = {tuple(line.split(" | ")[:2]): line for line in printed.splitlines()
+            if line.startswith("| held-out") or line.startswith("| gold")}
+    gold = "| gold answer mean log-prob"
+    # b constant: Welch's df is n_a - 1 = 2 and its interval the paired one
+    for a in ("p2o_human_no_crm", "p2o_human"):
+        assert rows[gold, f"{a} - grpo_k"] == (
+            f"{gold} | {a} - grpo_k | 3 : 3 | -0.957 : -1.000 | +0.043 | [+0.029, +0.058] | 0.0059 | 0.023 | "
+            "[+0.029, +0.058] | **confirmed** |")
+    mask = rows["| held-out avg@16", "p2o_human_no_crm - p2o_human"]
+    assert "| +0.000 | no spread | - | 1.0 | [-" in mask and mask.endswith(
+        "**refuted** (the paired differences do not vary: the difference is exactly +0, within ±0.02) |")
+    assert rows["| held-out pass@16", "p2o_human_no_crm - p2o_human"].endswith(
+        "not tested (this contrast's earlier outcome was not confirmed) |")
+    assert rows["| held-out avg@16", "rs_distill - grpo_k"].endswith(
+        "| +1.000 : +0.000 | +1.000 | no spread | - | 1.0 | no spread | "
+        "undecided (the paired differences do not vary) |")
+
+
 def test_registered_seeds_come_from_the_flag_the_prereg_line_or_the_default(tmp_path):
     assert rc.registered_seeds("200-202,205")[0] == [200, 201, 202, 205]
     prereg = tmp_path / "prereg.md"
     prereg.write_text("- **Seeds**: 200–211 for every arm. New seeds: 0 and 1 were the pilot.\n")
     assert rc.registered_seeds("", str(prereg))[0] == list(range(200, 212))
+    prereg.write_text("- **Seeds**: 200–211 for every arm (12 runs an arm, 48 runs), each seed run by all four "
+                      "arms (the paired test below needs it). New seeds: 0 and 1 were the training pilot.\n")
+    assert rc.registered_seeds("", str(prereg))[0] == list(range(200, 212))  # the v4 file's own line
     prereg.write_text("- **Seeds**: SEEDS. New seeds: 0 and 1 were the pilot.\n")  # not filled in: the default
     assert rc.registered_seeds("", str(prereg))[0] == list(range(200, 210))
     prereg.write_text("- **Seeds**: 200–204 for grpo_k, 200–209 for the others.\n")  # per arm: use --seeds

@@ -235,3 +235,13 @@ def test_a_whole_number_welch_df_is_not_rounded_one_too_low():
     # equal variances and sizes: df = 2 (n - 1) = 4 exactly, which float noise computes as 3.9999...
     got = stats.welch([13 / 720, 41 / 720, 59 / 720], [8 / 720, 36 / 720, 54 / 720])
     assert got["df"] == 4
+
+
+def test_paired_test_by_hand():
+    # differences 0.04, 0.04, 0.05: mean 0.04333, se 0.003333, t(0.975, 2) 4.3027; t = 13, p = 1 - 13 / sqrt(171)
+    got = stats.paired_test([0.04, 0.04, 0.05])
+    assert got["df"] == 2 and got["mean"] == pytest.approx(0.0433333, abs=1e-7)
+    assert (got["low"], got["high"]) == (pytest.approx(0.0290, abs=1e-4), pytest.approx(0.0577, abs=1e-4))
+    assert got["p"] == pytest.approx(1 - 13 / math.sqrt(171), rel=1e-6)
+    assert stats.paired_test([0.0, 0.0, 0.0]) == {"mean": 0.0, "low": 0.0, "high": 0.0, "p": 1.0, "df": None}
+    assert stats.paired_test([0.03, 0.03])["df"] is None and stats.paired_test([0.03, 0.03])["p"] == 0.0
