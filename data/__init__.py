@@ -137,6 +137,19 @@ def hold_out(problems, n, seed):
     return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in sorted(held)]
 
 
+def write_task(out, splits, seed_name, comment, template):
+    """A shipped task's files: {split}.jsonl for every split of `splits`, and its Human-Ref seed template
+    file `seed_name` (a '#' comment line, then the template), each written and reported."""
+    for name, rows in splits.items():
+        path = os.path.join(out, f"{name}.jsonl")
+        write_jsonl(path, rows)
+        print(f"wrote {len(rows)} problems to {path}")
+    path = os.path.join(out, seed_name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# {comment}\n{template}\n")
+    print(f"wrote the seed template to {path}")
+
+
 def write_jsonl(path, problems):
     """Write rows atomically (temp file + rename): a killed writer leaves the old file intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -32,7 +32,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import DATA_DIR, Problem, write_jsonl  # noqa: E402
+from data import DATA_DIR, Problem, write_task  # noqa: E402
 
 PAIRS = [  # (big unit, small unit): made-up names
     ("zog", "blarp"), ("quib", "flen"), ("morp", "tazzle"), ("dren", "wibbet"), ("plonk", "snig"),
@@ -79,15 +79,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(DATA_DIR, "fictional"))
     args = ap.parse_args()
-    for name, rows in {**make_splits(args.seed), "heldout": heldout_split()}.items():
-        path = os.path.join(args.out, f"{name}.jsonl")
-        write_jsonl(path, rows)
-        print(f"wrote {len(rows)} problems to {path}")
-    path = os.path.join(args.out, "facts.txt")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("# Human-Ref seed template of the fictional-unit task: its one conversion rule (data/fictional.py)\n")
-        f.write(RULE + "\n")
-    print(f"wrote the seed template to {path}")
+    write_task(args.out, {**make_splits(args.seed), "heldout": heldout_split()}, "facts.txt",
+               "Human-Ref seed template of the fictional-unit task: its one conversion rule (data/fictional.py)", RULE)
 
 
 if __name__ == "__main__":

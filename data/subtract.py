@@ -28,7 +28,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import DATA_DIR, Problem, write_jsonl  # noqa: E402
+from data import DATA_DIR, Problem, write_task  # noqa: E402
 
 STRATEGY = ("When the second number is bigger, the result is below zero: work out (bigger) − (smaller) = "
             "(difference), and the answer is \\boxed{-difference}.")
@@ -80,15 +80,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(DATA_DIR, "subtract"))
     args = ap.parse_args()
-    for name, rows in make_splits(args.seed).items():
-        path = os.path.join(args.out, f"{name}.jsonl")
-        write_jsonl(path, rows)
-        print(f"wrote {len(rows)} problems to {path}")
-    path = os.path.join(args.out, "strategy.txt")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("# Human-Ref seed template of the subtraction task: a procedure, no number (data/subtract.py)\n")
-        f.write(STRATEGY + "\n")
-    print(f"wrote the seed template to {path}")
+    write_task(args.out, make_splits(args.seed), "strategy.txt",
+               "Human-Ref seed template of the subtraction task: a procedure, no number (data/subtract.py)", STRATEGY)
 
 
 if __name__ == "__main__":
