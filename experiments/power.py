@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import BASELINE as CONTROL, CONTRASTS, STRATEGY_CONTRASTS, STRATEGY_OUTCOMES  # noqa: E402
 # (the registered contrasts and outcomes, one definition)
-from stats import fixed_sequences, gatekeep, paired_test, welch, write_lines  # noqa: E402
+from stats import deciding_p, fixed_sequences, gatekeep, paired_test, welch, write_lines  # noqa: E402
 
 PREDICTED = (+1,) * len(CONTRASTS)  # every contrast predicts > 0: unmasked distillation learns more
 FAMILIES = {  # title -> outcomes, each a family of the three contrasts, tested in this order (stats.gatekeep)
@@ -176,7 +176,7 @@ def strategy_power(means, sds, n, sims=2000, alpha=0.05, seed=0):
         ps, signs = [], []
         for name in names:
             tests = [paired_test(rng.normal(means[name][c], sds[name][c], n)) for c in STRATEGY_CONTRASTS]
-            ps.append([1.0 if t["df"] is None else t["p"] for t in tests])
+            ps.append([deciding_p(t) for t in tests])
             signs.append([t["mean"] > 0 for t in tests])
         chains = fixed_sequences([list(c) for c in zip(*ps)], alpha, [list(c) for c in zip(*signs)])
         hits += np.array([[a is not None and a <= alpha and good for a, good in zip(chain, chain_signs)]

@@ -22,7 +22,7 @@ import numpy as np
 
 from plot import read_jsonl  # the repository root is on sys.path (compare.py puts it there)
 from verify import last_boxed
-from stats import barnard, binomial_tail, fixed_sequences, gatekeep, hierarchical_bootstrap, holm, paired_test, sign_flip_p, t_interval, welch
+from stats import barnard, binomial_tail, deciding_p, fixed_sequences, gatekeep, hierarchical_bootstrap, holm, paired_test, sign_flip_p, t_interval, welch
 
 BASELINE = "grpo_k"
 MIN_SEEDS_FOR_P = 5  # the sign-flip test's smallest p is 2 / 2^n: below 5 seeds it says nothing useful
@@ -419,6 +419,11 @@ class Registration:
     test: str = "welch"  # "welch": unpaired, the paired interval beside; "paired": the t-test over shared seeds,
     # Welch's interval beside
 
+    @property
+    def no_spread(self):
+        """What it is that does not vary when its test has no spread (the report's words)."""
+        return "the paired differences do not vary" if self.test == "paired" else "neither arm varies"
+
 
 def by_source(run, set_name, source, key):
     """A run's score `key` on one source of a set (result.json's by_source), or None where it has none."""
@@ -514,8 +519,7 @@ def verdict(test, adjusted, delta, sign, complete, reg=None):
     if not complete:
         return "undecided (interim)"
     if test["df"] is None:
-        still = "the paired differences do not vary" if reg is not None and reg.test == "paired" else \
-            "neither arm varies"
+        still = reg.no_spread if reg is not None else "neither arm varies"
         if reg is not None and reg.exact_refutes and abs(test["mean"]) < delta:
             return f"**refuted** ({still}: the difference is exactly {test['mean']:+.3g}, within ±{delta:g})"
         return f"undecided ({still})"
@@ -592,8 +596,7 @@ def registered_lines(reg, stopped):
         how = (f"each outcome a family of the {n} contrasts, Welch's unpaired test (df rounded down), Holm within the "
                f"family at 0.05, the families in order (serial gatekeeping: the next only when all {n} of this one "
                "are confirmed with their predicted sign)")
-    still = "the paired differences do not vary" if reg.test == "paired" else "neither arm varies"
-    exact = (f" Where {still} there is no test (p shown as -, never confirmed); the difference is then "
+    exact = (f" Where {reg.no_spread} there is no test (p shown as -, never confirmed); the difference is then "
              "exact, and refutes when it lies inside ± the smallest effect of interest.") if reg.exact_refutes else ""
     if reg.test == "paired":
         return lines + [f"Primary analysis: {how}. Refuted by the interval: the unadjusted paired 95% interval "
@@ -609,8 +612,8 @@ def registered_lines(reg, stopped):
 
 
 def contrast_rows(reg, results, stopped):
-    """[(outcome, arm, other arm, Welch test or None, (values by seed, other's values, paired interval), delta)]
-    in outcome-major order."""
+    """[(outcome, arm, other arm, the registered test or None, (values by seed, other's values, the other test's
+    interval shown beside it), delta)] in outcome-major order."""
     rows = []
     for name, value, delta in reg.outcomes:
         for a, b in reg.contrasts:
@@ -635,7 +638,7 @@ def adjust(reg, rows):
     """The adjusted p of every row (None: not tested) under the registration's multiplicity rule. A test where
     neither arm varies enters with p 1: it is counted, and can never be confirmed or open a gate."""
     m = len(reg.contrasts)
-    ps = [None if test is None else (1.0 if test["df"] is None else test["p"]) for _, _, _, test, _, _ in rows]
+    ps = [None if test is None else deciding_p(test) for _, _, _, test, _, _ in rows]
     good = [test is not None and test["mean"] > 0 for _, _, _, test, _, _ in rows]
     families = [ps[i:i + m] for i in range(0, len(ps), m)]
     signs = [good[i:i + m] for i in range(0, len(good), m)]

@@ -110,6 +110,19 @@ def t_p_two_sided(t, df):
     return max(0.0, 1.0 - t_cdf_two_sided(t, df))
 
 
+def no_spread(mean, scale):
+    """A difference without spread (welch, paired_test): no test, df None, p 1 when it is 0 (up to scale)
+    and 0 otherwise, the interval the point. deciding_p reads such a p as 1."""
+    same = abs(mean) <= scale
+    return {"mean": 0.0 if same else mean, "low": mean, "high": mean, "p": float(same), "df": None}
+
+
+def deciding_p(test):
+    """The p a multiplicity rule should use for a test (welch, paired_test): 1 where there was no test
+    (df None), so it is counted and can never be confirmed or open a gate."""
+    return 1.0 if test["df"] is None else test["p"]
+
+
 def welch(a, b, level=0.95):
     """Unpaired mean(a) - mean(b) of two arms' per-seed values (>= 2 each): {"mean", "low", "high",
     "p", "df"}; df = Welch-Satterthwaite, rounded down (never below 1). Two arms that do not vary
@@ -121,8 +134,7 @@ def welch(a, b, level=0.95):
     mean, se = a.mean() - b.mean(), math.sqrt(va + vb)
     scale = 1e-12 * max(1.0, abs(a.mean()), abs(b.mean()))
     if np.ptp(a) <= scale and np.ptp(b) <= scale:  # neither arm varies (up to rounding): no test
-        same = abs(mean) <= scale
-        return {"mean": 0.0 if same else mean, "low": mean, "high": mean, "p": float(same), "df": None}
+        return no_spread(mean, scale)
     # rounded down, with room for float noise: a whole-number df (equal variances and sizes) is not one lower
     df = max(1, math.floor((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) + 1e-9))
     half = t_quantile(0.5 + level / 2, df) * se
@@ -139,8 +151,7 @@ def paired_test(diffs, level=0.95):
     mean = d.mean()
     scale = 1e-12 * max(1.0, float(np.abs(d).max()))
     if np.ptp(d) <= scale:
-        same = abs(mean) <= scale
-        return {"mean": 0.0 if same else mean, "low": mean, "high": mean, "p": float(same), "df": None}
+        return no_spread(mean, scale)
     se, df = d.std(ddof=1) / math.sqrt(d.size), d.size - 1
     half = t_quantile(0.5 + level / 2, df) * se
     return {"mean": mean, "low": mean - half, "high": mean + half, "p": t_p_two_sided(mean / se, df), "df": df}
