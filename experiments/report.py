@@ -635,8 +635,8 @@ def contrast_rows(reg, results, stopped):
 
 
 def adjust(reg, rows):
-    """The adjusted p of every row (None: not tested) under the registration's multiplicity rule. A test where
-    neither arm varies enters with p 1: it is counted, and can never be confirmed or open a gate."""
+    """The adjusted p of every row (None: not tested) under the registration's multiplicity rule. A row without
+    spread (no test) enters with p 1 (stats.deciding_p): it is counted, and can never be confirmed or open a gate."""
     m = len(reg.contrasts)
     ps = [None if test is None else deciding_p(test) for _, _, _, test, _, _ in rows]
     good = [test is not None and test["mean"] > 0 for _, _, _, test, _, _ in rows]

@@ -139,8 +139,9 @@ def report_lines(out, argv):
     """pilot-<split>[-<tag>].md's lines from the JSON's dict."""
     level = out.get("level", "two_step")  # round 1's file predates --level
     lines = [f"# Strategy-template pilot: {out['problems']} {out.get('task', 'builtin')} {level} problems "
-             f"({out['split']}), k = {out['k']}, T = {out['temperature']}", "", "Written by `python experiments/strategy_pilot.py "
-             + " ".join(argv if argv is not None else sys.argv[1:]) + "`; descriptive, tests nothing.", "",
+             f"({out['split']}), k = {out['k']}, T = {out['temperature']}", "",
+             "Written by `python experiments/strategy_pilot.py " + " ".join(argv if argv is not None else sys.argv[1:])
+             + "`; descriptive, tests nothing.", "",
              "| template | avg@k | pass@k | greedy | successes / samples (Wilson 95%, pooled) | CRM: masked tokens "
              "of templated successes | rows with one |", "|---|---|---|---|---|---|---|"]
     for name, e in out["templates"].items():
